@@ -1,0 +1,44 @@
+"""SGLang plugin entry point (``[project.entry-points."sglang.srt.plugins"] agentcache``).
+
+SGLang calls :func:`register` with no arguments in every process it starts (HTTP/main, each scheduler
+rank, detokenizer, DP controller). It must be idempotent and cheap, and it may not raise for a reason
+that is not ours: SGLang only logs plugin errors, so real start-up failures (a changed SGLang) are raised
+later, inside the backend factory, where they stop the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+from sgl_agentcache import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+_registered = False
+
+
+def register() -> None:
+    """Register the ``agentcache`` radix-cache backend, tree core, IPC types, hooks and routes."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
+        get_tree_core_factory,
+        register_tree_core_backend,
+    )
+
+    from sgl_agentcache.server import control
+    from sgl_agentcache.server.cache import agent_tree_core_factory, agentcache_factory
+
+    if get_tree_core_factory(BACKEND_NAME) is None:
+        register_tree_core_backend(BACKEND_NAME, agent_tree_core_factory)
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, agentcache_factory)
+    control.install()
+    if multiprocessing.parent_process() is None:
+        from sgl_agentcache.server import http
+
+        http.install()
+    _registered = True
+    logger.info("sgl_agentcache: registered radix-cache backend %r", BACKEND_NAME)

@@ -1,0 +1,142 @@
+"""Control messages between the HTTP process and the schedulers: our own IPC types, no patch.
+
+The HTTP route sends an :class:`AgentCacheCtl` through the tokenizer manager's scheduler socket. SGLang
+broadcasts control messages to every TP rank, so each rank's handler applies the same operation to its
+own tree in the same order (deterministic: handlers never read a clock). Only the rank that owns the
+reply socket answers, with an :class:`AgentCacheCtlOut`.
+
+Wiring (all through SGLang's plugin points, see ``install``):
+- ``io_struct.hook_custom_types`` teaches the msgpack decoder our two types (in every process);
+- an AFTER hook on ``Scheduler.init_request_dispatcher`` adds the scheduler handler;
+- an AFTER hook on ``TokenizerControlMixin.init_communicators`` adds a fan-out communicator for replies.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from sglang.srt.managers.io_struct import BaseReq
+
+logger = logging.getLogger(__name__)
+
+
+class AgentCacheCtl(BaseReq):
+    """A request to every scheduler rank: ``op`` names a handler in :data:`OPS`."""
+
+    op: str
+    args: dict[str, Any] = {}
+
+
+class AgentCacheCtlOut(BaseReq):
+    """A rank's reply. ``status`` is an HTTP status code; ``result`` is JSON-serialisable."""
+
+    status: int
+    result: dict[str, Any] = {}
+
+
+class CtlError(Exception):
+    """A handler's refusal: becomes a reply with this HTTP status and message, nothing changed."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+Handler = Callable[[Any, dict], dict]
+#: op name -> handler(scheduler, args) -> result. Handlers run on every TP rank.
+OPS: dict[str, Handler] = {}
+
+
+def op(name: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        OPS[name] = fn
+        return fn
+
+    return register
+
+
+def _agent_cache(scheduler):
+    from sgl_agentcache.server.cache import AgentRadixCache
+
+    cache = scheduler.tree_cache
+    if not isinstance(cache, AgentRadixCache):
+        raise CtlError(409, f"this server's tree cache is {type(cache).__name__}, not the agentcache backend "
+                            "(start it with --radix-cache-backend agentcache, without --disable-radix-cache)")
+    return cache
+
+
+def _scheduler_idle(scheduler) -> bool:
+    return scheduler.is_fully_idle()
+
+
+@op("stats")
+def _stats(scheduler, args: dict) -> dict:
+    return _agent_cache(scheduler).agent_stats()
+
+
+@op("check")
+def _check(scheduler, args: dict) -> dict:
+    idle = _scheduler_idle(scheduler)
+    return _agent_cache(scheduler).check_integrity(idle=idle).to_dict() | {"idle": idle}
+
+
+def handle_ctl(scheduler, msg: AgentCacheCtl) -> AgentCacheCtlOut:
+    """Scheduler-side dispatch. Never raises: a bad message must not take the scheduler down."""
+    handler = OPS.get(msg.op)
+    if handler is None:
+        return AgentCacheCtlOut(status=404, result={"error": f"unknown agentcache op {msg.op!r}"})
+    try:
+        return AgentCacheCtlOut(status=200, result=handler(scheduler, dict(msg.args)))
+    except CtlError as exc:
+        return AgentCacheCtlOut(status=exc.status, result={"error": str(exc)})
+    except Exception as exc:  # noqa: BLE001 - reported to the caller and logged, scheduler keeps running
+        logger.exception("agentcache op %s failed", msg.op)
+        return AgentCacheCtlOut(status=500, result={"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _after_init_request_dispatcher(result, scheduler, *args, **kwargs):
+    from sglang.utils import TypeBasedDispatcher
+
+    scheduler._request_dispatcher += TypeBasedDispatcher([(AgentCacheCtl, lambda msg: handle_ctl(scheduler, msg))])
+    return result
+
+
+def _after_init_communicators(result, tokenizer_manager, *args, **kwargs):
+    from sglang.srt.managers.communicator import FanOutCommunicator
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.utils import TypeBasedDispatcher
+
+    comm = FanOutCommunicator(tokenizer_manager._dispatch_to_scheduler, get_parallel().num_dp_ranks)
+    tokenizer_manager.agentcache_communicator = comm
+    tokenizer_manager._result_dispatcher += TypeBasedDispatcher([(AgentCacheCtlOut, comm.handle_recv)])
+    return result
+
+
+async def call_schedulers(tokenizer_manager, op_name: str, args: dict | None = None) -> AgentCacheCtlOut:
+    """Send one op to the schedulers and return the (first DP rank's) reply."""
+    comm = getattr(tokenizer_manager, "agentcache_communicator", None)
+    if comm is None:
+        return AgentCacheCtlOut(status=503, result={"error": "agentcache plugin is not loaded in this process"})
+    tokenizer_manager.auto_create_handle_loop()
+    replies = await comm(AgentCacheCtl(op=op_name, args=args or {}))
+    return replies[0]
+
+
+def engine_call(engine, op_name: str, args: dict | None = None) -> AgentCacheCtlOut:
+    """Synchronous :func:`call_schedulers` for an in-process ``sglang.Engine``."""
+    return engine.loop.run_until_complete(call_schedulers(engine.tokenizer_manager, op_name, args))
+
+
+def install() -> None:
+    """Register the IPC types and hooks. Idempotent; called by ``plugin.register`` in every process."""
+    from sglang.srt.managers import io_struct
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if AgentCacheCtl in io_struct._all_types:
+        return
+    io_struct.hook_custom_types(AgentCacheCtl, AgentCacheCtlOut)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
+                          _after_init_request_dispatcher, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators",
+                          _after_init_communicators, HookType.AFTER)

@@ -1,0 +1,104 @@
+"""A read-only integrity check of the live tree: run it when the scheduler is idle.
+
+It combines SGLang's own ``UnifiedTreeCore.sanity_check`` (leaf sets, LRU lists, size counters, lock
+refs) with an independent recount of our own, so a bug in either shows:
+
+- parent/child links agree and every child is stored under its key's first page;
+- full-KV lock refs are non-negative and never larger on a child than on its parent (locks cover paths);
+- evictable + protected device tokens equal the sum of the nodes' device values, split by lock state;
+- no KV slot is referenced by two nodes;
+- every node carries agent state;
+- idle only: allocator free slots + tree-held slots == pool capacity (nothing leaked outside the tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+FULL = ComponentType.FULL
+
+
+@dataclass
+class IntegrityReport:
+    ok: bool
+    errors: list[str] = field(default_factory=list)
+    nodes: int = 0
+    device_tokens: int = 0
+    evictable_tokens: int = 0
+    protected_tokens: int = 0
+    available_tokens: int = 0
+    pool_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_tree(cache, *, idle: bool) -> IntegrityReport:
+    """Check ``cache`` (an ``AgentRadixCache``). ``idle``: no request holds KV, so conservation must hold."""
+    core = cache.tree_core
+    errors: list[str] = []
+    try:
+        stock_args = ([], []) if idle else _ongoing(cache)
+        core.sanity_check(*stock_args)
+    except AssertionError as exc:
+        errors.append(f"[sglang sanity_check] {exc}")
+
+    nodes = core.all_nodes()
+    evictable = protected = 0
+    seen_slots: set[int] = set()
+    for node in nodes:
+        if not hasattr(node, "agent"):
+            errors.append(f"node {node.id} has no agent state")
+        for child_key, child in node.children.items():
+            if child.parent is not node:
+                errors.append(f"node {child.id}: parent link does not point back to {node.id}")
+            if child.key is not None and child.key.child_key(core.page_size) != child_key:
+                errors.append(f"node {child.id}: stored under a key that is not its first page")
+        if node is core.root_node:
+            continue
+        data = node.component_data[FULL]
+        if data.lock_ref < 0:
+            errors.append(f"node {node.id}: negative lock_ref {data.lock_ref}")
+        parent_lock = node.parent.component_data[FULL].lock_ref
+        if node.parent is not core.root_node and data.lock_ref > parent_lock:
+            errors.append(f"node {node.id}: lock_ref {data.lock_ref} > parent's {parent_lock}")
+        if data.value is None:
+            continue
+        slots = data.value.tolist()
+        if len(slots) != len(node.key):
+            errors.append(f"node {node.id}: {len(slots)} KV slots for {len(node.key)} tokens")
+        duplicated = seen_slots.intersection(slots)
+        if duplicated:
+            errors.append(f"node {node.id}: KV slots shared with another node: {sorted(duplicated)[:8]}")
+        seen_slots.update(slots)
+        if data.lock_ref > 0:
+            protected += len(slots)
+        else:
+            evictable += len(slots)
+
+    if evictable != cache.evictable_size():
+        errors.append(f"evictable recount {evictable} != evictable_size() {cache.evictable_size()}")
+    if protected != cache.protected_size():
+        errors.append(f"protected recount {protected} != protected_size() {cache.protected_size()}")
+
+    allocator = cache.token_to_kv_pool_allocator
+    available = allocator.available_size() if allocator is not None else 0
+    pool = allocator.size if allocator is not None else 0
+    if idle and allocator is not None:
+        if protected:
+            errors.append(f"idle but {protected} tokens are still locked")
+        if available + evictable != pool:
+            errors.append(f"idle conservation: free {available} + tree {evictable} != pool {pool}")
+
+    return IntegrityReport(
+        ok=not errors, errors=errors, nodes=len(nodes), device_tokens=evictable + protected,
+        evictable_tokens=evictable, protected_tokens=protected, available_tokens=available, pool_tokens=pool,
+    )
+
+
+def _ongoing(cache) -> tuple[list, list]:
+    write_through = [(i, wt.node_id) for i, wt in getattr(cache, "ongoing_write_through", {}).items()]
+    load_back = [(i, lb.node_id) for i, lb in getattr(cache, "ongoing_load_back", {}).items()]
+    return write_through, load_back

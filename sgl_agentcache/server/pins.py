@@ -1,0 +1,89 @@
+"""The SGLang internals this adapter overrides or calls, and the start-up check that they still exist.
+
+We run on an *unmodified* SGLang through its plugin points, but the tree-core hooks we need are private
+methods (``_add_new_node``, ``_split_node``, ...). A silent rename in a later SGLang would make our
+lifecycle accounting wrong without any error, so every such internal is pinned here by its parameter
+names, and :func:`check_pinned_internals` runs inside each scheduler before the tree is built: if any pin
+fails, the server refuses to start with one message naming the SGLang version we need.
+
+To support a new SGLang release: re-read each target there, update this table, run ``make test``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pkgutil
+from dataclasses import dataclass
+
+from sgl_agentcache import SGLANG_VERSION
+
+_TREE = "sglang.srt.mem_cache.unified_cache.unified_tree_core:UnifiedTreeCore"
+_CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+_REGISTRY = "sglang.srt.mem_cache.registry"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """``target`` (``module:qualname``) must resolve to a callable with exactly ``params``."""
+
+    target: str
+    params: tuple[str, ...]
+    why: str
+
+
+PINS: tuple[Pin, ...] = (
+    Pin(f"{_TREE}.__init__", ("self", "params", "components"), "AgentTreeCore subclasses it"),
+    Pin(f"{_TREE}._new_node", ("self", "priority"), "every node gets agent state here"),
+    Pin(f"{_TREE}._add_new_node", ("self", "parent", "key", "value", "priority", "session_id", "rotation_base"),
+        "new leaves are charged to their branch here"),
+    Pin(f"{_TREE}._split_node", ("self", "key", "child", "split_len"), "splits carry agent state to the new parent"),
+    Pin(f"{_TREE}._unregister_node", ("self", "node"), "deleted nodes are refunded to their branch here"),
+    Pin(f"{_TREE}._collect_all_nodes", ("self",), "integrity check walks the tree"),
+    Pin(f"{_TREE}.sanity_check", ("self", "ongoing_write_through", "ongoing_load_back"), "integrity check"),
+    Pin(f"{_CACHE}.__init__", ("self", "params"), "AgentRadixCache subclasses it"),
+    Pin(f"{_CACHE}.checkpoint_into_tree", ("self", "req", "up_to", "kwargs"), "inserts carry request context"),
+    Pin(f"{_CACHE}.evict", ("self", "params"), "branch close frees through the stock eviction path"),
+    Pin(f"{_REGISTRY}:create_unified_radix_cache", ("ctx", "cache_class"), "builds our cache with HiCache wiring"),
+    Pin(f"{_REGISTRY}:default_radix_cache_factory", ("ctx",), "--disable-radix-cache defers to it"),
+    Pin(f"{_REGISTRY}:register_radix_cache_backend", ("name", "factory"), "backend registration"),
+    Pin("sglang.srt.mem_cache.unified_cache.tree_core_registry:register_tree_core_backend", ("name", "factory"),
+        "tree-core registration"),
+    Pin("sglang.srt.managers.io_struct:hook_custom_types", ("new_types",), "our IPC message types"),
+    Pin("sglang.srt.managers.scheduler:Scheduler.init_request_dispatcher", ("self",),
+        "scheduler handler for our control messages"),
+    Pin("sglang.srt.managers.tokenizer_control_mixin:TokenizerControlMixin.init_communicators", ("self",),
+        "tokenizer-side reply routing for our control messages"),
+)
+
+
+class PinnedInternalsChanged(RuntimeError):
+    """Raised at start-up when the installed SGLang does not match the internals we were written for."""
+
+
+def check_pinned_internals(pins: tuple[Pin, ...] = PINS) -> None:
+    """Raise :class:`PinnedInternalsChanged` naming every failed pin, or return silently."""
+    problems = []
+    for pin in pins:
+        try:
+            obj = pkgutil.resolve_name(pin.target)
+            found = tuple(inspect.signature(obj).parameters)
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            problems.append(f"{pin.target}: missing ({type(exc).__name__}: {exc}); needed because {pin.why}")
+            continue
+        if found != pin.params:
+            problems.append(f"{pin.target}: parameters {found} != expected {pin.params}; needed because {pin.why}")
+    if problems:
+        installed = _installed_sglang_version()
+        raise PinnedInternalsChanged(
+            f"sgl_agentcache needs sglang=={SGLANG_VERSION} (installed: {installed}); "
+            f"{len(problems)} SGLang internal(s) it relies on changed:\n  " + "\n  ".join(problems)
+        )
+
+
+def _installed_sglang_version() -> str:
+    try:
+        import sglang
+
+        return getattr(sglang, "__version__", "unknown")
+    except ImportError:
+        return "not installed"

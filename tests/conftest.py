@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny model, one real SGLang HTTP server and one in-process ``sglang.Engine``.
+
+Both run the ``agentcache`` backend on CPU and start once per test session, on free ports. The server
+runs in its own process group and is killed as a group on teardown, so no process outlives the run.
+Token ids sent by tests are always drawn below the model's vocabulary (an id >= vocab kills SGLang).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from sgl_agentcache.cpu_server import CpuServer  # noqa: E402
+from sgl_agentcache.tiny_model import TinyModel, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> TinyModel:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class TokenSource:
+    """Deterministic random token ids, always in ``[3, vocab)`` (0-2 are pad/bos/eos)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, self.vocab_size) for _ in range(n)]
+
+
+@pytest.fixture
+def tokens(tiny_model) -> TokenSource:
+    return TokenSource(tiny_model.vocab_size, seed=1234)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server-log") / "sglang.log"
+    srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report",))
+    with srv.start():
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    import sglang as sgl
+
+    eng = sgl.Engine(
+        model_path=str(tiny_model.path), load_format="dummy", device="cpu", attention_backend="torch_native",
+        sampling_backend="pytorch", disable_cuda_graph=True, dtype="float32", context_length=1024,
+        max_total_tokens=4096, max_running_requests=8, mem_fraction_static=0.05, log_level="warning",
+        radix_cache_backend="agentcache",
+    )
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
