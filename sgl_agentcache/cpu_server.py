@@ -50,6 +50,7 @@ class CpuServer:
     context_length: int = 1024
     extra_args: tuple[str, ...] = ()
     log_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
     @property
@@ -67,7 +68,7 @@ class CpuServer:
 
     def start(self, timeout: float = 240.0) -> "CpuServer":
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), env=cpu_env(), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command(), env=cpu_env() | self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

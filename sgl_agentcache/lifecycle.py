@@ -1,44 +1,58 @@
-"""Lifecycle state carried by every radix node (pure; no SGLang, no torch).
+"""Lifecycle state carried by every radix node, and the pure rules over it (no SGLang, no torch).
 
 A node's *class* says how valuable its KV is likely to be to future turns:
 
 - ``STABLE``  -- system prompt, tool schema: reused by nearly every turn of every session.
-- ``SESSION`` -- the growing conversation of one trajectory.
-- ``SCRATCH`` -- branch-local state of a forked subagent (or low-value reasoning text).
+- ``SESSION`` -- the growing conversation of one trajectory (a branch that was not forked).
+- ``SCRATCH`` -- tokens a forked branch created past its fork point.
 
-``terminated`` is a state, not a class: the owner ended, so the node is reclaimable now.
-Traffic without hints gets :data:`UNTAGGED` (class ``SESSION``, no owner), which ranks all such nodes
-equally and leaves eviction to recency, exactly like stock SGLang.
+``terminated`` is a state, not a class: the owning branch ended, so the node is reclaimable now.
+Traffic without hints is ``UNTAGGED`` (no owner). It ranks with SCRATCH: nothing declared a future
+value for it, so it competes by recency with live branch scratch and yields to declared session and
+stable state. When all traffic is untagged, eviction is exactly stock SGLang's recency order.
+
+Ownership: a node with an ``owner`` charges ``len(node.key)`` tokens to that branch while it is in the
+tree (on any tier). Shared nodes (stable prefix, nodes matched from the parent) have no owner or keep
+the parent's; a child branch is never charged for them.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
 
 
 class NodeClass(IntEnum):
-    """Lifecycle class; a higher value is more valuable (evicted later)."""
+    """Lifecycle class of a node's tokens."""
 
+    UNTAGGED = 0
     SCRATCH = 1
     SESSION = 2
     STABLE = 3
 
 
+#: Retention value of each class (higher is evicted later); terminated nodes are 0 whatever their class.
+RETENTION_VALUE = {NodeClass.UNTAGGED: 1, NodeClass.SCRATCH: 1, NodeClass.SESSION: 2, NodeClass.STABLE: 3}
+
+
 @dataclass(frozen=True, slots=True)
 class BranchKey:
-    """Identity of a branch: namespace (tenant cache namespace), session (trajectory) and branch id."""
+    """Identity of a branch: cache namespace, session (trajectory) and branch id."""
 
     namespace: str
     session: str
     branch: str
+
+    def to_dict(self) -> dict:
+        return {"namespace": self.namespace, "session": self.session, "branch": self.branch}
 
 
 @dataclass(slots=True)
 class NodeState:
     """Per-node agent state. ``owner`` is the branch charged for the node's tokens (None: shared)."""
 
-    cls: NodeClass = NodeClass.SESSION
+    cls: NodeClass = NodeClass.UNTAGGED
     owner: BranchKey | None = None
     terminated: bool = False
 
@@ -49,3 +63,77 @@ class NodeState:
 def untagged() -> NodeState:
     """State for nodes inserted by requests that carry no lifecycle hint."""
     return NodeState()
+
+
+def eviction_rank(state: NodeState, session_ref: int, last_access: float) -> tuple:
+    """Sort key for eviction; the smallest leaf is evicted first.
+
+    Lifecycle value first (terminated < scratch = untagged < session < stable), then SGLang's session-radix
+    references (unreferenced before referenced, fewer before more; all 0 without
+    ``--enable-session-radix-cache``), then recency. Untagged traffic therefore keeps stock LRU order.
+    """
+    value = 0 if state.terminated else RETENTION_VALUE[state.cls]
+    return (value, session_ref > 0, session_ref, last_access)
+
+
+@dataclass(frozen=True)
+class InsertPlan:
+    """How the tokens of one request are classified, by absolute offset in the request.
+
+    ``[0, stable_end)`` is STABLE and unowned; ``[stable_end, fork_point)`` belongs to ``parent``
+    (the parent's session history, when the request is a fork); from ``fork_point`` on, tokens belong
+    to ``own`` (SCRATCH of the branch for a fork, else SESSION of the branch). Only nodes the request's
+    insert *creates* are classified; nodes it matched keep their state and owner.
+    """
+
+    own: NodeState
+    stable_end: int = 0
+    fork_point: int = 0
+    parent: NodeState | None = None
+
+    def boundaries(self) -> tuple[int, ...]:
+        """Offsets where a created node must be split so every node has exactly one class."""
+        return tuple(sorted({b for b in (self.stable_end, self.fork_point) if b > 0}))
+
+    def state_at(self, offset: int) -> NodeState:
+        if offset < self.stable_end:
+            return NodeState(NodeClass.STABLE)
+        if offset < self.fork_point and self.parent is not None:
+            return self.parent.copy()
+        return self.own.copy()
+
+
+UNTAGGED_PLAN = InsertPlan(own=untagged())
+
+
+class RecentBranches:
+    """A bounded set of branches (oldest forgotten first): the closed ones, the ones seen.
+
+    The closed set lets a request of a closed branch that finishes late be stamped terminated and
+    reclaimed at once instead of resurrecting the branch; the bound keeps a long-running server's
+    memory flat.
+    """
+
+    def __init__(self, limit: int = 65536):
+        self.limit = limit
+        self._branches: OrderedDict[BranchKey, None] = OrderedDict()
+
+    def add(self, branch: BranchKey) -> None:
+        self._branches[branch] = None
+        self._branches.move_to_end(branch)
+        while len(self._branches) > self.limit:
+            self._branches.popitem(last=False)
+
+    def __contains__(self, branch: object) -> bool:
+        return branch in self._branches
+
+    def __len__(self) -> int:
+        return len(self._branches)
+
+    def __iter__(self):
+        return iter(list(self._branches))
+
+
+def namespace_key(extra_key: str | None, cache_salt: str | None) -> str:
+    """The cache namespace of a tree path: SGLang's ``extra_key`` and ``cache_salt`` (either may be unset)."""
+    return f"{extra_key or ''}|{cache_salt or ''}"

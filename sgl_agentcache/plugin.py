@@ -28,7 +28,7 @@ def register() -> None:
         register_tree_core_backend,
     )
 
-    from sgl_agentcache.server import control
+    from sgl_agentcache.server import admission, control
     from sgl_agentcache.server.cache import agent_tree_core_factory, agentcache_factory
 
     if get_tree_core_factory(BACKEND_NAME) is None:
@@ -36,9 +36,11 @@ def register() -> None:
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, agentcache_factory)
     control.install()
+    admission.install()
     if multiprocessing.parent_process() is None:
-        from sgl_agentcache.server import http
+        from sgl_agentcache.server import http, ingress
 
         http.install()
+        ingress.install()
     _registered = True
     logger.info("sgl_agentcache: registered radix-cache backend %r", BACKEND_NAME)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 
 import pytest
 
@@ -35,14 +36,20 @@ class TokenSource:
 
 
 @pytest.fixture
-def tokens(tiny_model) -> TokenSource:
-    return TokenSource(tiny_model.vocab_size, seed=1234)
+def tokens(tiny_model, request) -> TokenSource:
+    """Per-test token ids: seeded by the test's id, so tests never share prefixes by accident."""
+    return TokenSource(tiny_model.vocab_size, seed=zlib.crc32(request.node.nodeid.encode()))
+
+
+#: Per-branch quota of the shared test server (the default would be a quarter of the 4096-token pool).
+BRANCH_QUOTA_TOKENS = 512
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-log") / "sglang.log"
-    srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report",))
+    srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report",),
+                    env={"SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS)})
     with srv.start():
         yield srv
 

@@ -29,12 +29,19 @@ def test_missing_internal_fails_loudly():
         check_pinned_internals((Pin("sglang.srt.mem_cache.registry:no_such_function", (), "test"),))
 
 
-def test_every_override_is_pinned():
-    from sgl_agentcache.server.tree_core import AgentTreeCore
+@pytest.mark.parametrize("ours,theirs", [
+    ("sgl_agentcache.server.tree_core:AgentTreeCore",
+     "sglang.srt.mem_cache.unified_cache.unified_tree_core:UnifiedTreeCore"),
+    ("sgl_agentcache.server.cache:AgentRadixCache", "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"),
+])
+def test_every_override_is_pinned(ours, theirs):
+    """Each SGLang method we override is in the pin table, so a signature change fails at start-up."""
+    import pkgutil
 
-    overridden = {name for name, value in vars(AgentTreeCore).items()
-                  if callable(value) and name.startswith("_") and not name.startswith("__")}
-    pinned = {p.target.rsplit(".", 1)[1] for p in PINS if "UnifiedTreeCore." in p.target}
+    ours, theirs = pkgutil.resolve_name(ours), pkgutil.resolve_name(theirs)
+    overridden = {name for name, value in vars(ours).items()
+                  if callable(value) and hasattr(theirs, name) and (name == "__init__" or not name.startswith("__"))}
+    pinned = {p.target.rsplit(".", 1)[1] for p in PINS if p.target.split(":")[1].startswith(theirs.__name__ + ".")}
     assert overridden <= pinned, f"unpinned overrides: {overridden - pinned}"
 
 

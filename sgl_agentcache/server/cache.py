@@ -4,57 +4,282 @@ The cache is a ``UnifiedRadixCache`` (so HiCache, session-radix references, stre
 keep working) built by SGLang's own ``create_unified_radix_cache(ctx, cache_class=...)`` on top of
 :class:`~sgl_agentcache.server.tree_core.AgentTreeCore`, which SGLang selects through
 ``CacheInitParams.tree_core_backend``.
+
+What it adds to the stock cache:
+
+- every insert is classified from the request's lifecycle hint (:meth:`checkpoint_into_tree`): the
+  nodes it creates are split at the stable-prefix and fork boundaries and stamped STABLE / SESSION /
+  SCRATCH with their owner; nodes it matched are shared and never charged;
+- a branch's charge is capped by a server-side quota: over it, the branch's own oldest unlocked nodes
+  go first, and what still does not fit is not inserted;
+- closing a branch (route, ``close`` hint, abort of a fork, session close) stamps its nodes terminated and frees the
+  unlocked ones in the same scheduler step; locked ones go when their request releases them;
+- eviction ranks leaves by :func:`~sgl_agentcache.lifecycle.eviction_rank` (terminated, scratch,
+  session, stable; then session-radix references; then the configured policy).
+
+All decisions depend only on the tree and the order of messages, never on a clock, so every TP rank
+takes the same ones.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections import Counter
+import os
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_agentcache import BACKEND_NAME
+from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
+from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.tree_core import AgentTreeCore
 
 logger = logging.getLogger(__name__)
+FULL = ComponentType.FULL
+QUOTA_ENV = "SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS"
+
+
+def namespace_of(req) -> str:
+    """The cache namespace a request's tree path lives in."""
+    return namespace_key(req.extra_key, req.cache_salt)
+
+
+class _LifecycleStrategy:
+    """``EvictionStrategy`` for components other than FULL (no session references there)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def get_priority(self, node):
+        return eviction_rank(node.agent, 0, self.base.get_priority(node))
 
 
 class AgentRadixCache(UnifiedRadixCache):
-    """SGLang's unified radix cache on the agent tree core."""
+    """SGLang's unified radix cache on the agent tree core, with lifecycle-aware retention."""
 
     def __init__(self, params):
         super().__init__(params)
-        if not isinstance(self.tree_core, AgentTreeCore):
-            raise RuntimeError(
-                f"AgentRadixCache needs the {BACKEND_NAME!r} tree core, got {type(self.tree_core).__name__}"
-            )
+        core = self.tree_core
+        if not isinstance(core, AgentTreeCore):
+            raise RuntimeError(f"AgentRadixCache needs the {BACKEND_NAME!r} tree core, got {type(core).__name__}")
+        pool = self.token_to_kv_pool_allocator.size if self.token_to_kv_pool_allocator is not None else 0
+        self.branch_quota_tokens = int(os.environ.get(QUOTA_ENV, 0)) or max(pool // 4, 1)
+        self.closed = RecentBranches()
+        self.seen = RecentBranches()
+        self.freed_on_close_tokens = 0
+        self.quota_clipped_inserts = 0
+        self.quota_evicted_tokens = 0
+        self.invalid_hints = 0
+        # Lifecycle value ranks before session references and the configured policy (see eviction_rank).
+        base = core.eviction_strategy
+        core.eviction_strategy = _LifecycleStrategy(base)
+        full = self.components[FULL]
+        full.session_ref_eviction_strategy = lambda node: eviction_rank(
+            node.agent, full.session_ref(node), base.get_priority(node))
+
+    # ---- inserts ----
+
+    def _plan(self, req) -> InsertPlan:
+        plan = getattr(req, "agentcache_plan", None)
+        if plan is None:
+            try:
+                hint = find_lifecycle_hint(req.kv_hints)
+            except HintError as exc:  # the HTTP layer rejects these; never fail a request here
+                self.invalid_hints += 1
+                logger.warning("agentcache: ignoring invalid lifecycle hint on %s: %s", req.rid, exc)
+                hint = None
+            plan = insert_plan(hint, namespace_of(req), self.closed)
+            req.agentcache_plan = plan
+            req.agentcache_hint = hint
+        elif plan.own.owner is not None and not plan.own.terminated and plan.own.owner in self.closed:
+            plan = req.agentcache_plan = insert_plan(req.agentcache_hint, namespace_of(req), self.closed)
+        return plan
+
+    def admit(self, req) -> str | None:
+        """Build the request's plan at admission; return why it must be refused, or None."""
+        from sgl_agentcache.server.admission import parent_refusal
+
+        plan = self._plan(req)
+        if plan.parent is not None:
+            refusal = parent_refusal(plan.parent.owner, self.seen, self.closed)
+            if refusal is not None:
+                return refusal
+        if plan.own.owner is not None:
+            self.seen.add(plan.own.owner)
+        return None
+
+    def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
+        plan = self._plan(req)
+        if self.disable or plan is UNTAGGED_PLAN:
+            return super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        if plan.own.owner is not None:
+            self.seen.add(plan.own.owner)
+        up_to = self._clip_to_quota(req, plan, up_to)
+        core = self.tree_core
+        core.insert_state = plan.own
+        try:
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        finally:
+            core.insert_state = None
+        self._settle(req, plan)
+
+    def _clip_to_quota(self, req, plan: InsertPlan, up_to: int) -> int:
+        """Make room within the branch quota (own oldest nodes first); clip what still does not fit."""
+        owner = plan.own.owner
+        if owner is None or plan.own.terminated:
+            return up_to
+        new_tokens = max(up_to - req.kv.cache_protected_len, 0)
+        over = self.tree_core.owned_tokens(owner) + new_tokens - self.branch_quota_tokens
+        if over > 0:
+            self.quota_evicted_tokens += self._evict_nodes(self.tree_core.owner_index.get(owner, ()), over)
+        room = self.branch_quota_tokens - self.tree_core.owned_tokens(owner)
+        allowed = req.kv.cache_protected_len + max(room, 0)
+        if allowed < up_to:
+            self.quota_clipped_inserts += 1
+            logger.info("agentcache: branch %s over its %d-token quota; %d tokens of %s not cached",
+                        owner, self.branch_quota_tokens, up_to - allowed, req.rid)
+            return allowed
+        return up_to
+
+    def _settle(self, req, plan: InsertPlan) -> None:
+        """Split the nodes this insert created at the plan's boundaries and stamp each part."""
+        core = self.tree_core
+        fresh = core.take_fresh()
+        if not fresh or req.last_node is None:
+            return
+        path, node = [], core.node_by_id(req.last_node)
+        while node is not core.root_node:
+            path.append(node)
+            node = node.parent
+        start = 0
+        for node in reversed(path):
+            end = start + len(node.key)
+            if node in fresh:
+                for boundary in plan.boundaries():
+                    if start < boundary < end:
+                        front, action = core._split_node(node.key, node, boundary - start)
+                        if action is not None:
+                            self._apply_cache_actions([action])
+                        core.set_state(front, plan.state_at(start))
+                        start = boundary
+                core.set_state(node, plan.state_at(start))
+            start = end
+
+    # ---- termination ----
+
+    def close_branch(self, branch: BranchKey) -> dict:
+        """Terminate ``branch``: its nodes become reclaimable, unlocked ones are freed now."""
+        known = branch in self.seen or branch in self.tree_core.owner_index
+        already = branch in self.closed
+        if not known and not already:
+            return {"closed": False, "reason": "unknown branch"}
+        self.closed.add(branch)
+        core = self.tree_core
+        for node in list(core.owner_index.get(branch, ())):
+            if not node.agent.terminated:
+                state = node.agent.copy()
+                state.terminated = True
+                core.set_state(node, state)
+        freed = self.reclaim_terminated()
+        return {"closed": True, "already_closed": already, "freed_tokens": freed,
+                "pending_tokens": core.owned_tokens(branch)}
+
+    def close_session(self, namespace: str | None, session: str) -> dict:
+        branches = [b for b in set(self.tree_core.owner_index) | set(self.seen)
+                    if b.session == session and (namespace is None or b.namespace == namespace)]
+        results = [self.close_branch(b) for b in sorted(branches, key=lambda b: (b.namespace, b.branch))]
+        return {"branches": len(branches), "freed_tokens": sum(r.get("freed_tokens", 0) for r in results)}
+
+    def reclaim_terminated(self) -> int:
+        """Free every terminated node that is an unlocked device leaf, bottom-up. Returns tokens freed."""
+        core = self.tree_core
+        if not core.terminated:
+            return 0
+        freed = self._evict_nodes(core.terminated, budget=None)
+        self.freed_on_close_tokens += freed
+        return freed
+
+    def _evict_nodes(self, candidates, budget: int | None) -> int:
+        """Delete unlocked device leaves among ``candidates`` (oldest first; a parent that becomes a leaf
+        and is a candidate follows) until ``budget`` tokens are freed or none is left.
+
+        Deleted, never written to host: this is reclaim of state nobody will read again. Ties are broken
+        by node id so every rank picks the same victims.
+        """
+        core = self.tree_core
+        members = set(candidates)
+        heap = [(n.last_access_time, n.id, n) for n in members if core.is_device_leaf(n)]
+        heapq.heapify(heap)
+        tracker = {ct: 0 for ct in self.tree_components}
+        while heap and (budget is None or tracker[FULL] < budget):
+            _, _, node = heapq.heappop(heap)
+            if not core.is_device_leaf(node):
+                continue
+            parent = node.parent
+            result = core.evict_device_leaf(node.id, is_write_back=False)
+            self._apply_eviction_result(result)
+            self._accumulate_tracker(tracker, result.tracker)
+            if parent in members and core.is_device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        return tracker[FULL]
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        plan: InsertPlan | None = getattr(req, "agentcache_plan", None)
+        hint: LifecycleHint | None = getattr(req, "agentcache_hint", None)
+        if plan is not None and plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+            # An aborted subagent (fork) is cancelled for good; an aborted turn of a root branch (a
+            # client timeout on the lead agent) must not drop the whole session's history.
+            aborted_fork = plan.parent is not None and isinstance(req.finished_reason, FINISH_ABORT)
+            if aborted_fork or (hint is not None and hint.close and req.finished()):
+                self.close_branch(plan.own.owner)
+        self.reclaim_terminated()
+
+    def release_radix_session(self, session_id: str) -> int:
+        result = super().release_radix_session(session_id)
+        self.close_session(None, session_id)
+        return result
+
+    def flush_pending_backups(self) -> None:
+        super().flush_pending_backups()
+        self.reclaim_terminated()
 
     # ---- read-only views (served by /agentcache/stats and /agentcache/check) ----
 
     def resident_tokens_by_class(self) -> dict[str, int]:
         """Device-resident tokens per lifecycle class, plus ``terminated`` (not yet reclaimed)."""
-        counts: Counter[str] = Counter()
+        counts = {"stable": 0, "session": 0, "scratch": 0, "untagged": 0, "terminated": 0}
         for node in self.tree_core.all_nodes():
-            if node is self.tree_core.root_node:
+            value = node.component_data[FULL].value
+            if node is self.tree_core.root_node or value is None:
                 continue
-            value = node.component_data[ComponentType.FULL].value
-            if value is None:
-                continue
-            key = "terminated" if node.agent.terminated else node.agent.cls.name.lower()
-            counts[key] += len(value)
-        return {name: counts.get(name, 0) for name in ("stable", "session", "scratch", "terminated")}
+            counts["terminated" if node.agent.terminated else node.agent.cls.name.lower()] += len(value)
+        return counts
 
     def agent_stats(self) -> dict:
         """The scheduler-side half of ``GET /agentcache/stats``; identical on every TP rank."""
+        core = self.tree_core
+        branches = sorted(core.owner_index, key=lambda b: (b.namespace, b.session, b.branch))
         return {
             "impl": type(self).__name__,
-            "tree_core": type(self.tree_core).__name__,
+            "tree_core": type(core).__name__,
             "page_size": self.page_size,
             "evictable_tokens": self.evictable_size(),
             "protected_tokens": self.protected_size(),
             "resident_tokens": self.resident_tokens_by_class(),
+            "branch_quota_tokens": self.branch_quota_tokens,
+            "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "closed": b in self.closed}
+                         for b in branches],
+            "closed_branches": len(self.closed),
+            "freed_on_close_tokens": self.freed_on_close_tokens,
+            "terminated_pending_tokens": sum(len(n.key) for n in core.terminated),
+            "quota_clipped_inserts": self.quota_clipped_inserts,
+            "quota_evicted_tokens": self.quota_evicted_tokens,
+            "invalid_hints": self.invalid_hints,
         }
 
     def check_integrity(self, *, idle: bool) -> IntegrityReport:

@@ -81,6 +81,25 @@ def _check(scheduler, args: dict) -> dict:
     return _agent_cache(scheduler).check_integrity(idle=idle).to_dict() | {"idle": idle}
 
 
+@op("branch_close")
+def _branch_close(scheduler, args: dict) -> dict:
+    from sgl_agentcache.lifecycle import BranchKey
+
+    branch = BranchKey(args["namespace"], args["session"], args["branch"])
+    result = _agent_cache(scheduler).close_branch(branch)
+    if not result["closed"]:
+        raise CtlError(404, f"unknown branch {branch.session}/{branch.branch} (nothing changed)")
+    return result | {"branch": branch.to_dict()}
+
+
+@op("session_close")
+def _session_close(scheduler, args: dict) -> dict:
+    result = _agent_cache(scheduler).close_session(args["namespace"], args["session"])
+    if not result["branches"]:
+        raise CtlError(404, f"unknown session {args['session']} (nothing changed)")
+    return result
+
+
 def handle_ctl(scheduler, msg: AgentCacheCtl) -> AgentCacheCtlOut:
     """Scheduler-side dispatch. Never raises: a bad message must not take the scheduler down."""
     handler = OPS.get(msg.op)

@@ -6,10 +6,12 @@ logic runs in the scheduler. SGLang's ``--api-key`` middleware covers these rout
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from sgl_agentcache import BACKEND_NAME, __version__
+from sgl_agentcache.hints import BranchRef, HintError, SessionRef, parse_route_body
+from sgl_agentcache.lifecycle import namespace_key
 from sgl_agentcache.server.control import call_schedulers
 
 router = APIRouter(prefix="/agentcache", tags=["agentcache"])
@@ -33,6 +35,32 @@ async def stats() -> JSONResponse:
 async def check() -> JSONResponse:
     """Run the tree-integrity check (conservation checks apply only when the scheduler is idle)."""
     return await _forward("check")
+
+
+@router.post("/branch/close")
+async def branch_close(request: Request) -> JSONResponse:
+    """Terminate a branch: its private nodes are freed now (locked ones when their request ends).
+
+    Body: ``{"session": ..., "branch": ..., "extra_key"?: ..., "cache_salt"?: ...}``. 404 for a branch
+    the server has never seen; closing an already-closed branch is idempotent.
+    """
+    try:
+        ref = parse_route_body(await request.body(), BranchRef)
+    except HintError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+    return await _forward("branch_close", {"namespace": namespace_key(ref.extra_key, ref.cache_salt),
+                                           "session": ref.session, "branch": ref.branch})
+
+
+@router.post("/session/close")
+async def session_close(request: Request) -> JSONResponse:
+    """Terminate every branch of a session (same body as branch close, without ``branch``)."""
+    try:
+        ref = parse_route_body(await request.body(), SessionRef)
+    except HintError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+    return await _forward("session_close", {"namespace": namespace_key(ref.extra_key, ref.cache_salt),
+                                            "session": ref.session})
 
 
 _installed = False

@@ -7,7 +7,8 @@ refs) with an independent recount of our own, so a bug in either shows:
 - full-KV lock refs are non-negative and never larger on a child than on its parent (locks cover paths);
 - evictable + protected device tokens equal the sum of the nodes' device values, split by lock state;
 - no KV slot is referenced by two nodes;
-- every node carries agent state;
+- every node carries agent state; the owner and terminated indexes list exactly the nodes that say so;
+- idle only: no terminated node is left as an unlocked device leaf (reclaim never lags a step);
 - idle only: allocator free slots + tree-held slots == pool capacity (nothing leaked outside the tree).
 """
 
@@ -78,6 +79,8 @@ def check_tree(cache, *, idle: bool) -> IntegrityReport:
         else:
             evictable += len(slots)
 
+    errors.extend(_check_ownership(core, nodes, idle=idle))
+
     if evictable != cache.evictable_size():
         errors.append(f"evictable recount {evictable} != evictable_size() {cache.evictable_size()}")
     if protected != cache.protected_size():
@@ -96,6 +99,35 @@ def check_tree(cache, *, idle: bool) -> IntegrityReport:
         ok=not errors, errors=errors, nodes=len(nodes), device_tokens=evictable + protected,
         evictable_tokens=evictable, protected_tokens=protected, available_tokens=available, pool_tokens=pool,
     )
+
+
+def _check_ownership(core, nodes, *, idle: bool) -> list[str]:
+    errors = []
+    tree_nodes = set(nodes)
+    owned: dict = {}
+    for node in nodes:
+        state = getattr(node, "agent", None)
+        if node is core.root_node or state is None:
+            continue
+        if state.owner is not None:
+            owned.setdefault(state.owner, set()).add(node)
+        if state.terminated != (node in core.terminated):
+            errors.append(f"node {node.id}: terminated={state.terminated} disagrees with the terminated index")
+    if owned != core.owner_index:
+        for branch in set(owned) | set(core.owner_index):
+            have, indexed = owned.get(branch, set()), core.owner_index.get(branch, set())
+            if have != indexed:
+                errors.append(f"owner index for {branch}: {len(indexed)} indexed vs {len(have)} in tree")
+    stale = core.terminated - tree_nodes
+    if stale:
+        errors.append(f"{len(stale)} terminated-index entries are not in the tree")
+    if idle:
+        lagging = [n.id for n in core.terminated if core.is_device_leaf(n)]
+        if lagging:
+            errors.append(f"terminated nodes still resident as unlocked leaves: {lagging[:8]}")
+        if core.fresh:
+            errors.append(f"{len(core.fresh)} fresh nodes were never settled")
+    return errors
 
 
 def _ongoing(cache) -> tuple[list, list]:

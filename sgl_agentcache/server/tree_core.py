@@ -1,33 +1,44 @@
 """``AgentTreeCore``: SGLang's Python tree core whose nodes carry :class:`~sgl_agentcache.lifecycle.NodeState`.
 
 The stock Rust core cannot hold per-node Python state, so the agentcache backend always runs on this
-subclass of ``UnifiedTreeCore``. It overrides only node birth, split and death (pinned in ``pins.py``):
+subclass of ``UnifiedTreeCore``. It overrides only node birth, split, death and reset (all pinned in
+``pins.py``) and keeps two indexes that follow the tree exactly:
 
-- ``_new_node``        every node is born with an ``agent`` attribute (untagged state);
-- ``_add_new_node``    a new leaf takes the state of the insert in progress (``insert_state``);
-- ``_split_node``      the new parent fragment inherits the child's state (a split never changes owner);
-- ``_unregister_node`` a deleted node is reported to ``on_node_deleted`` listeners.
+- ``owner_index``: branch -> the nodes it owns. A branch's charge is ``sum(len(node.key))`` over them,
+  derived on demand, so it can never drift from the tree (a split moves tokens between two nodes of
+  the same owner; a deleted node leaves the index in ``_unregister_node``).
+- ``terminated``: nodes whose owner ended and that are waiting to be reclaimed.
 
-Everything else (matching, locking, LRU, eviction mechanics, HiCache) is SGLang's own code.
+During an insert the cache sets ``insert_state``; every node the insert creates is stamped with it and
+recorded in ``fresh`` (split fragments of a fresh node are fresh too), so the cache can classify
+exactly the created tokens afterwards (``settle``). Matched nodes are never touched.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
 
-from sgl_agentcache.lifecycle import NodeState, untagged
+from sgl_agentcache.lifecycle import BranchKey, NodeState, untagged
 
 
 class AgentTreeCore(UnifiedTreeCore):
-    """Python tree core with lifecycle state on every node."""
+    """Python tree core with lifecycle state and ownership on every node."""
 
     def __init__(self, params, components):
         # Set before super().__init__: it calls reset(), which creates the root through _new_node.
         self.insert_state: Optional[NodeState] = None
-        self.node_deleted_listeners: list[Callable[[UnifiedTreeNode], None]] = []
+        self.fresh: set[UnifiedTreeNode] = set()
         super().__init__(params, components)
+
+    # ---- SGLang overrides (pinned) ----
+
+    def reset(self) -> None:
+        self.owner_index: dict[BranchKey, set[UnifiedTreeNode]] = {}
+        self.terminated: set[UnifiedTreeNode] = set()
+        self.fresh = set()
+        super().reset()
 
     def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
         node = super()._new_node(priority=priority)
@@ -39,19 +50,57 @@ class AgentTreeCore(UnifiedTreeCore):
             parent, key, value, priority=priority, session_id=session_id, rotation_base=rotation_base
         )
         if self.insert_state is not None:
-            node.agent = self.insert_state.copy()
+            self.fresh.add(node)
+            self.set_state(node, self.insert_state.copy())
         return node
 
     def _split_node(self, key, child, split_len):
         new_node, action = super()._split_node(key, child, split_len)
-        new_node.agent = child.agent.copy()
+        self.set_state(new_node, child.agent.copy())
+        if child in self.fresh:
+            self.fresh.add(new_node)
         return new_node, action
 
     def _unregister_node(self, node: UnifiedTreeNode) -> None:
         super()._unregister_node(node)
-        for listener in self.node_deleted_listeners:
-            listener(node)
+        self._forget(node)
+        self.fresh.discard(node)
+
+    # ---- ownership ----
+
+    def set_state(self, node: UnifiedTreeNode, state: NodeState) -> None:
+        """Give ``node`` a new state, keeping the owner and terminated indexes exact."""
+        self._forget(node)
+        node.agent = state
+        if state.owner is not None:
+            self.owner_index.setdefault(state.owner, set()).add(node)
+        if state.terminated:
+            self.terminated.add(node)
+
+    def _forget(self, node: UnifiedTreeNode) -> None:
+        state = getattr(node, "agent", None)
+        if state is None:
+            return
+        if state.owner is not None:
+            nodes = self.owner_index.get(state.owner)
+            if nodes is not None:
+                nodes.discard(node)
+                if not nodes:
+                    del self.owner_index[state.owner]
+        self.terminated.discard(node)
+
+    def owned_tokens(self, branch: BranchKey) -> int:
+        """Tokens ``branch`` is charged for: every node it owns, on any tier."""
+        return sum(len(node.key) for node in self.owner_index.get(branch, ()))
+
+    def take_fresh(self) -> set[UnifiedTreeNode]:
+        fresh, self.fresh = self.fresh, set()
+        return fresh
 
     def all_nodes(self) -> list[UnifiedTreeNode]:
         """Every node reachable from the root, root included."""
         return self._collect_all_nodes()
+
+    def is_device_leaf(self, node: UnifiedTreeNode) -> bool:
+        """Unlocked, device-resident, no device-resident children: evictable right now."""
+        return node in self.evictable_device_leaves

@@ -1,0 +1,49 @@
+"""Scheduler-side admission of hinted requests (every TP rank, same message order, same outcome).
+
+An AROUND hook on ``Scheduler._create_generation_req`` (SGLang's documented extension point for
+request-local state) runs as each request is created:
+
+- requests built by ``session_params`` sessions lose ``kv_hints`` in SGLang 0.5.23 (``Session.create_req``
+  does not pass them); the hook copies them back from the tokenized input;
+- the request's insert plan is built once, here, so a branch is known from its first admitted request;
+- a fork whose parent branch the server has never seen, or that was closed, is refused with HTTP 400
+  before it allocates anything (the request is finished with an abort that our release path does not
+  treat as the branch's own abort, so the refusal changes nothing in the tree).
+"""
+
+from __future__ import annotations
+
+from sgl_agentcache.lifecycle import BranchKey
+
+
+def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs):
+    req = original(scheduler, recv_req, *args, **kwargs)
+    if getattr(req, "kv_hints", None) is None and getattr(recv_req, "kv_hints", None) is not None:
+        req.kv_hints = recv_req.kv_hints
+    from sgl_agentcache.server.cache import AgentRadixCache
+
+    cache = scheduler.tree_cache
+    if isinstance(cache, AgentRadixCache) and req.kv_hints is not None:
+        refusal = cache.admit(req)
+        if refusal is not None:
+            req.agentcache_refused = True
+            req.skip_radix_cache_insert = True  # the placeholder token an abort leaves is not cached
+            req.set_finish_with_abort(refusal)
+    return req
+
+
+def install() -> None:
+    """Register the scheduler hook (every process; it only resolves inside schedulers' use)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._create_generation_req",
+                          _around_create_generation_req, HookType.AROUND)
+
+
+def parent_refusal(parent: BranchKey, seen, closed) -> str | None:
+    """Why a fork of ``parent`` must be refused, or None (pure)."""
+    if parent in closed:
+        return f"parent branch {parent.session}/{parent.branch} is closed"
+    if parent not in seen:
+        return f"unknown parent branch {parent.session}/{parent.branch}"
+    return None

@@ -1,0 +1,80 @@
+"""Pure lifecycle rules: eviction rank, insert plans, bounded branch sets (no SGLang)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sgl_agentcache.hints import LifecycleHint, insert_plan
+from sgl_agentcache.lifecycle import (
+    UNTAGGED_PLAN,
+    BranchKey,
+    NodeClass,
+    NodeState,
+    RecentBranches,
+    eviction_rank,
+    untagged,
+)
+
+B = BranchKey("|", "s", "b")
+
+
+def test_eviction_order_is_terminated_scratch_session_stable_then_refs_then_recency():
+    nodes = {
+        "stable_old": (NodeState(NodeClass.STABLE), 0, 1.0),
+        "session_ref": (NodeState(NodeClass.SESSION, B), 2, 0.5),
+        "session_new": (NodeState(NodeClass.SESSION, B), 0, 9.0),
+        "session_old": (NodeState(NodeClass.SESSION, B), 0, 2.0),
+        "scratch_ref": (NodeState(NodeClass.SCRATCH, B), 1, 0.1),
+        "scratch_new": (NodeState(NodeClass.SCRATCH, B), 0, 8.0),
+        "untagged_mid": (NodeState(), 0, 4.0),
+        "dead_stable": (NodeState(NodeClass.STABLE, None, terminated=True), 5, 99.0),
+        "dead_scratch": (NodeState(NodeClass.SCRATCH, B, terminated=True), 0, 50.0),
+    }
+    order = sorted(nodes, key=lambda name: eviction_rank(*nodes[name]))
+    assert order == ["dead_scratch", "dead_stable", "untagged_mid", "scratch_new", "scratch_ref",
+                     "session_old", "session_new", "session_ref", "stable_old"]
+
+
+@given(st.lists(st.floats(allow_nan=False), min_size=2, max_size=20))
+def test_untagged_traffic_keeps_stock_lru_order(times):
+    ranked = sorted(times, key=lambda t: eviction_rank(untagged(), 0, t))
+    assert ranked == sorted(times)
+
+
+def test_plan_for_root_branch():
+    plan = insert_plan(LifecycleHint(session="s", stable_prefix_tokens=100), "ns", closed=set())
+    assert plan.boundaries() == (100,)
+    assert plan.state_at(99).cls is NodeClass.STABLE and plan.state_at(99).owner is None
+    assert plan.state_at(100) == NodeState(NodeClass.SESSION, BranchKey("ns", "s", "main"))
+
+
+def test_plan_for_fork_charges_only_past_the_fork_point():
+    hint = LifecycleHint(session="s", branch="b1", parent_branch="main", stable_prefix_tokens=10,
+                         fork_point_tokens=40)
+    plan = insert_plan(hint, "ns", closed=set())
+    assert plan.boundaries() == (10, 40)
+    assert plan.state_at(5).cls is NodeClass.STABLE
+    assert plan.state_at(10) == NodeState(NodeClass.SESSION, BranchKey("ns", "s", "main"))
+    assert plan.state_at(40) == NodeState(NodeClass.SCRATCH, BranchKey("ns", "s", "b1"))
+
+
+def test_plan_of_closed_branch_is_born_terminated():
+    closed = {BranchKey("ns", "s", "b1")}
+    plan = insert_plan(LifecycleHint(session="s", branch="b1", parent_branch="main"), "ns", closed)
+    assert plan.own.terminated and not plan.parent.terminated
+
+
+def test_no_hint_is_untagged():
+    assert insert_plan(None, "ns", set()) is UNTAGGED_PLAN
+    assert UNTAGGED_PLAN.boundaries() == () and UNTAGGED_PLAN.state_at(0) == untagged()
+
+
+def test_recent_branches_is_bounded_and_ordered():
+    recent = RecentBranches(limit=3)
+    keys = [BranchKey("|", "s", f"b{i}") for i in range(5)]
+    for key in keys:
+        recent.add(key)
+    recent.add(keys[2])  # refresh: b2 becomes newest
+    assert len(recent) == 3 and keys[0] not in recent and keys[1] not in recent
+    assert list(recent) == [keys[3], keys[4], keys[2]]

@@ -1,0 +1,202 @@
+"""The real ``AgentRadixCache`` offline: SGLang's pools, allocator and request code paths, no model.
+
+Every test builds a fresh cache (cheap once SGLang is imported) through
+``sgl_agentcache.server.offline``, which goes through SGLang's own ``create_tree_cache`` and the
+registered ``agentcache`` factory. Token ids stay below 512. ``conftest.py`` sets
+``SGLANG_USE_CPU_ENGINE=1`` before SGLang is imported.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_agentcache.hints import lifecycle_envelope
+from sgl_agentcache.lifecycle import BranchKey
+from sgl_agentcache.server.cache import AgentRadixCache
+from sgl_agentcache.server.offline import (
+    OfflineDriver,
+    OfflineOutOfMemory,
+    OfflineRefused,
+    build_offline_cache,
+)
+from sgl_agentcache.server.tree_core import AgentTreeCore
+
+
+def ids(start: int, n: int) -> list[int]:
+    """``n`` consecutive token ids from ``start`` (all < 512)."""
+    assert 0 <= start and start + n <= 512
+    return list(range(start, start + n))
+
+
+def assert_idle_ok(driver: OfflineDriver) -> None:
+    assert not driver.live
+    report = driver.check()
+    assert report.ok, report.errors
+    assert driver.idle_free_tokens() == driver.pool_tokens
+    assert driver.free_tokens() + driver.cache.evictable_size() == driver.pool_tokens
+
+
+def test_builds_agent_radix_cache_on_agent_tree_core():
+    cache = build_offline_cache(pool_tokens=1024, page_size=1, max_reqs=8)
+    assert isinstance(cache, AgentRadixCache)
+    assert isinstance(cache.tree_core, AgentTreeCore)
+    assert cache.token_to_kv_pool_allocator.size == 1024
+    assert cache.req_to_token_pool.size == 8
+    driver = OfflineDriver(cache)
+    assert driver.pool_tokens == 1024
+    assert_idle_ok(driver)
+
+
+def test_second_request_reuses_shared_prefix():
+    driver = OfflineDriver(pool_tokens=4096)
+    shared = ids(10, 100)
+    first = driver.admit("first", shared + ids(200, 40))
+    assert first.cached_tokens == 0
+    driver.extend(first, [300, 301, 302])
+    driver.finish(first)
+    assert_idle_ok(driver)
+
+    second = driver.admit("second", shared + ids(400, 30))
+    assert second.cached_tokens >= 100
+    report = driver.check()  # not idle: the shared prefix is locked by `second`
+    assert report.ok, report.errors
+    assert report.protected_tokens >= 100
+    driver.extend(second, [303, 304])
+    driver.finish(second)
+    assert_idle_ok(driver)
+
+
+def test_filling_the_pool_evicts_and_conserves_slots():
+    driver = OfflineDriver(pool_tokens=512)
+    prompts = [[(7 + 83 * i + j) % 512 for j in range(200)] for i in range(6)]
+    inserted = 0
+    for i, prompt in enumerate(prompts):
+        req = driver.admit(f"r{i}", prompt)
+        assert req.cached_tokens == 0
+        driver.extend(req, [1, 2, 3])
+        driver.finish(req)
+        inserted += 200 + 2  # the last output token never has KV
+        assert_idle_ok(driver)
+    assert inserted > driver.pool_tokens  # so the tree must have evicted
+    assert driver.cache.evictable_size() <= driver.pool_tokens
+
+    # The oldest prompt was evicted (LRU); the newest is still there.
+    again = driver.admit("again", prompts[-1])
+    assert again.cached_tokens == 199
+    driver.abort(again)
+    oldest = driver.admit("oldest", prompts[0])
+    assert oldest.cached_tokens < 199
+    driver.finish(oldest)
+    assert_idle_ok(driver)
+
+
+def test_out_of_memory_is_reported_and_changes_nothing():
+    driver = OfflineDriver(pool_tokens=512)
+    hold = driver.admit("hold", ids(0, 300))
+    free_before = driver.free_tokens()
+    with pytest.raises(OfflineOutOfMemory) as info:
+        driver.admit("too-big", ids(300, 212) + ids(0, 50)[::-1])
+    assert info.value.needed == 262
+    assert "too-big" not in driver.live
+    assert driver.free_tokens() == free_before
+    report = driver.check()
+    assert report.ok, report.errors
+    driver.abort(hold)
+    assert_idle_ok(driver)
+
+
+def test_abort_frees_the_requests_non_shared_kv():
+    driver = OfflineDriver(pool_tokens=4096)
+    shared = ids(10, 100)
+    owner = driver.admit("owner", shared + ids(200, 20))
+    driver.extend(owner, [300, 301])
+    driver.finish(owner)
+    free_before = driver.free_tokens()
+    evictable_before = driver.cache.evictable_size()
+
+    aborted = driver.admit("aborted", shared + ids(400, 60))
+    assert aborted.cached_tokens == 100
+    assert driver.free_tokens() == free_before - 60
+    driver.abort(aborted)
+    assert driver.free_tokens() == free_before
+    assert driver.cache.evictable_size() == evictable_before
+    assert_idle_ok(driver)
+
+    # Nothing of the aborted request reached the tree: only the shared prefix matches.
+    probe = driver.admit("probe", shared + ids(400, 60))
+    assert probe.cached_tokens == 100
+    driver.abort(probe)
+    assert_idle_ok(driver)
+
+
+def test_paged_pool_with_chunked_prefill():
+    driver = OfflineDriver(pool_tokens=1024, page_size=4)
+    prompt = ids(20, 130)
+    req = driver.admit("chunked", prompt, max_prefill_tokens=50)
+    assert req.extend_end == 48  # floored to whole pages
+    driver.checkpoint(req)
+    driver.prefill_next_chunk(req, 40)
+    assert req.extend_end == 88
+    driver.checkpoint(req)
+    driver.prefill_next_chunk(req)
+    assert req.prefill_done
+    report = driver.check()
+    assert report.ok, report.errors
+    driver.extend(req, [1, 2, 3, 4, 5])
+    driver.finish(req)
+    assert_idle_ok(driver)
+
+    again = driver.admit("again", prompt + ids(300, 10))
+    assert again.cached_tokens == 128  # the whole prompt, page-aligned
+    driver.finish(again)
+    assert_idle_ok(driver)
+
+
+def test_lifecycle_fork_is_charged_and_closed_exactly():
+    driver = OfflineDriver(pool_tokens=4096)
+    cache = driver.cache
+    prompt = ids(100, 50)
+    main_hint = lifecycle_envelope({"session": "s", "branch": "main", "stable_prefix_tokens": 10}, message_id="m")
+    main = driver.admit("main", prompt, kv_hints=main_hint)
+    driver.extend(main, [400, 401, 402])
+    driver.finish(main)
+    assert cache.tree_core.owned_tokens(BranchKey("|", "s", "main")) == 40 + 2
+    assert cache.resident_tokens_by_class()["stable"] == 10
+    assert_idle_ok(driver)
+
+    fork_hint = lifecycle_envelope({"session": "s", "branch": "b1", "parent_branch": "main"}, message_id="m2")
+    free_before = driver.free_tokens()
+    evictable_before = cache.evictable_size()
+    fork = driver.admit("fork", prompt + ids(300, 20), kv_hints=fork_hint)
+    assert fork.cached_tokens == 50
+    outputs = [410, 411, 412, 413]
+    driver.extend(fork, outputs)
+    driver.finish(fork)
+    created = free_before - driver.free_tokens()
+    assert cache.evictable_size() == evictable_before + created  # nothing was evicted
+
+    b1 = BranchKey("|", "s", "b1")
+    assert created == 20 + len(outputs) - 1
+    assert cache.tree_core.owned_tokens(b1) == created
+    assert cache.resident_tokens_by_class()["scratch"] == created
+    assert cache.tree_core.owned_tokens(BranchKey("|", "s", "main")) == 42  # the parent is not charged
+    assert_idle_ok(driver)
+
+    with driver.activated():
+        result = cache.close_branch(b1)
+    assert result["closed"] and result["freed_tokens"] == created
+    assert result["pending_tokens"] == 0
+    assert cache.tree_core.owned_tokens(b1) == 0
+    assert driver.free_tokens() == free_before
+    assert cache.tree_core.owned_tokens(BranchKey("|", "s", "main")) == 42
+    assert_idle_ok(driver)
+
+
+def test_fork_of_unknown_parent_is_refused_before_allocating():
+    driver = OfflineDriver(pool_tokens=1024)
+    hint = lifecycle_envelope({"session": "s", "branch": "b1", "parent_branch": "nobody"}, message_id="m")
+    with pytest.raises(OfflineRefused):
+        driver.admit("orphan", ids(10, 40), kv_hints=hint)
+    assert not driver.live
+    assert driver.free_tokens() == driver.pool_tokens
+    assert_idle_ok(driver)
