@@ -39,6 +39,14 @@ def cpu_env() -> dict[str, str]:
     return env
 
 
+def _json_or_text(payload: bytes, key: str = "text") -> dict:
+    """A JSON object body, or a plain-text one wrapped as ``{key: text}`` (some SGLang routes reply text)."""
+    try:
+        return json.loads(payload or b"{}")
+    except ValueError:
+        return {key: payload.decode(errors="replace")}
+
+
 @dataclass
 class CpuServer:
     """A running ``python -m sglang.launch_server`` process on 127.0.0.1."""
@@ -121,13 +129,9 @@ class CpuServer:
                                      headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
+                return resp.status, _json_or_text(resp.read())
         except urllib.error.HTTPError as err:
-            payload = err.read()
-            try:
-                return err.code, json.loads(payload)
-            except ValueError:
-                return err.code, {"error": payload.decode(errors="replace")}
+            return err.code, _json_or_text(err.read(), key="error")
 
     def generate(self, body: dict, **kw) -> dict:
         status, out = self.request("POST", "/generate", body, **kw)

@@ -21,6 +21,10 @@ Payload fields (a JSON object of at most :data:`MAX_PAYLOAD_BYTES` bytes; unknow
     Length of the prompt prefix inherited from the parent branch.
 ``close`` (default false)
     The branch ends after this request: its private KV becomes reclaimable.
+``edit_from_tokens`` (default none)
+    The agent rewrote its history from this token offset (a summary, a dropped observation, spliced
+    memory): the branch's old tokens past it that this prompt no longer shares become reclaimable.
+    Reuse stays exact (identical tokens only); everything else is plainly re-prefilled.
 ``tool_class``, ``deadline_ms``, ``priority``, ``prefetch``
     Reserved for later capabilities: validated for type and range, not acted on yet.
 
@@ -95,6 +99,7 @@ class LifecycleHint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     stable_prefix_tokens: _Tokens = 0
     fork_point_tokens: _Tokens | None = None
     close: bool = False
+    edit_from_tokens: _Tokens | None = None
     # Reserved for later capabilities: validated, not acted on yet.
     tool_class: _ToolClass | None = None
     deadline_ms: _DeadlineMs | None = None

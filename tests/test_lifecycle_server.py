@@ -207,3 +207,20 @@ def test_openai_routes_take_the_hint_header(server):
                                   headers={"x-sgl-agentcache-hint": '{"session": 5}'})
     assert status == 400 and "session" in str(body)
     assert _stats(server) == before
+
+
+def test_context_edit_reclaims_the_old_suffix_and_keeps_reuse_exact(server, tokens):
+    history = tokens.ids(400)
+    assert _gen(server, history, {"session": "edit"}, max_new_tokens=0)[0] == 200
+    before = _stats(server)
+    assert _owned(before, "edit")["main"] == 400
+    # The agent summarised everything after token 120: the new prompt shares only [0, 120).
+    edited = history[:120] + tokens.ids(100)
+    status, out = _gen(server, edited, {"session": "edit", "edit_from_tokens": 120}, max_new_tokens=0)
+    assert status == 200 and out["meta_info"]["cached_tokens"] >= 120  # exact reuse of the shared part
+    after = _stats(server)
+    assert after["context_edit_freed_tokens"] - before["context_edit_freed_tokens"] == 280
+    assert _owned(after, "edit")["main"] == 220  # [0, 120) kept + the 100 new tokens
+    # The old suffix is really gone: re-sending the old history hits only the shared 120 tokens.
+    assert _gen(server, history)[1]["meta_info"]["cached_tokens"] <= 121
+    _assert_integrity(server)

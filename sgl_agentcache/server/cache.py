@@ -38,12 +38,23 @@ from sgl_agentcache.server.tree_core import AgentTreeCore
 
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
-QUOTA_ENV = "SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS"
+#: Server-side ceilings (tokens a branch may own in the tree); hints can never raise them.
+BRANCH_QUOTA_ENV = "SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS"    # forked branches (subagents): pool / 4
+SESSION_QUOTA_ENV = "SGL_AGENTCACHE_SESSION_QUOTA_TOKENS"  # root branches (a session's history): pool / 2
 
 
 def namespace_of(req) -> str:
     """The cache namespace a request's tree path lives in."""
     return namespace_key(req.extra_key, req.cache_salt)
+
+
+def _depth(core, node) -> int:
+    """Token offset at which ``node``'s key starts (sum of its ancestors' key lengths)."""
+    depth, node = 0, node.parent
+    while node is not None and node is not core.root_node:
+        depth += len(node.key)
+        node = node.parent
+    return depth
 
 
 class _LifecycleStrategy:
@@ -65,13 +76,15 @@ class AgentRadixCache(UnifiedRadixCache):
         if not isinstance(core, AgentTreeCore):
             raise RuntimeError(f"AgentRadixCache needs the {BACKEND_NAME!r} tree core, got {type(core).__name__}")
         pool = self.token_to_kv_pool_allocator.size if self.token_to_kv_pool_allocator is not None else 0
-        self.branch_quota_tokens = int(os.environ.get(QUOTA_ENV, 0)) or max(pool // 4, 1)
+        self.branch_quota_tokens = int(os.environ.get(BRANCH_QUOTA_ENV, 0)) or max(pool // 4, 1)
+        self.session_quota_tokens = int(os.environ.get(SESSION_QUOTA_ENV, 0)) or max(pool // 2, 1)
         self.closed = RecentBranches()
         self.seen = RecentBranches()
         self.freed_on_close_tokens = 0
         self.quota_clipped_inserts = 0
         self.quota_evicted_tokens = 0
         self.invalid_hints = 0
+        self.context_edit_freed_tokens = 0
         # Lifecycle value ranks before session references and the configured policy (see eviction_rank).
         base = core.eviction_strategy
         core.eviction_strategy = _LifecycleStrategy(base)
@@ -116,6 +129,10 @@ class AgentRadixCache(UnifiedRadixCache):
             return super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
         if plan.own.owner is not None:
             self.seen.add(plan.own.owner)
+        hint: LifecycleHint | None = req.agentcache_hint
+        if hint is not None and hint.edit_from_tokens is not None and not getattr(req, "agentcache_edited", False):
+            req.agentcache_edited = True
+            self.context_edit_freed_tokens += self._drop_edited_history(req, plan.own.owner, hint.edit_from_tokens)
         up_to = self._clip_to_quota(req, plan, up_to)
         core = self.tree_core
         core.insert_state = plan.own
@@ -130,18 +147,50 @@ class AgentRadixCache(UnifiedRadixCache):
         owner = plan.own.owner
         if owner is None or plan.own.terminated:
             return up_to
+        quota = self.quota_for(plan)
         new_tokens = max(up_to - req.kv.cache_protected_len, 0)
-        over = self.tree_core.owned_tokens(owner) + new_tokens - self.branch_quota_tokens
+        over = self.tree_core.owned_tokens(owner) + new_tokens - quota
         if over > 0:
             self.quota_evicted_tokens += self._evict_nodes(self.tree_core.owner_index.get(owner, ()), over)
-        room = self.branch_quota_tokens - self.tree_core.owned_tokens(owner)
+        room = quota - self.tree_core.owned_tokens(owner)
         allowed = req.kv.cache_protected_len + max(room, 0)
         if allowed < up_to:
             self.quota_clipped_inserts += 1
             logger.info("agentcache: branch %s over its %d-token quota; %d tokens of %s not cached",
-                        owner, self.branch_quota_tokens, up_to - allowed, req.rid)
+                        owner, quota, up_to - allowed, req.rid)
             return allowed
         return up_to
+
+    def _drop_edited_history(self, req, owner: BranchKey, edit_from: int) -> int:
+        """Terminate ``owner``'s tokens past ``edit_from`` that this request's prompt does not share.
+
+        Called once per request, before its first insert. Nodes on the request's matched path are kept
+        (the new prompt still uses them, possibly past ``edit_from``); a node straddling ``edit_from`` is
+        split there so only its stale tail goes. Returns tokens freed now.
+        """
+        core = self.tree_core
+        keep, node = set(), core.node_by_id(req.last_node) if req.last_node is not None else core.root_node
+        while node is not core.root_node:
+            keep.add(node)
+            node = node.parent
+        for node in list(core.owner_index.get(owner, ())):
+            if node in keep:
+                continue
+            start = _depth(core, node)
+            if start + len(node.key) <= edit_from:
+                continue
+            if start < edit_from:
+                front, action = core._split_node(node.key, node, edit_from - start)
+                if action is not None:
+                    self._apply_cache_actions([action])
+            state = node.agent.copy()
+            state.terminated = True
+            core.set_state(node, state)
+        return self._evict_nodes(core.terminated, budget=None)
+
+    def quota_for(self, plan: InsertPlan) -> int:
+        """Forked branches get the branch quota; a session's root branch the (larger) session quota."""
+        return self.branch_quota_tokens if plan.parent is not None else self.session_quota_tokens
 
     def _settle(self, req, plan: InsertPlan) -> None:
         """Split the nodes this insert created at the plan's boundaries and stamp each part."""
@@ -272,6 +321,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "protected_tokens": self.protected_size(),
             "resident_tokens": self.resident_tokens_by_class(),
             "branch_quota_tokens": self.branch_quota_tokens,
+            "session_quota_tokens": self.session_quota_tokens,
             "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "closed": b in self.closed}
                          for b in branches],
             "closed_branches": len(self.closed),
@@ -280,6 +330,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "quota_clipped_inserts": self.quota_clipped_inserts,
             "quota_evicted_tokens": self.quota_evicted_tokens,
             "invalid_hints": self.invalid_hints,
+            "context_edit_freed_tokens": self.context_edit_freed_tokens,
         }
 
     def check_integrity(self, *, idle: bool) -> IntegrityReport:

@@ -35,7 +35,7 @@ def validate_request_hints(obj) -> None:
             raise ValueError(f"invalid kv_hints: {exc}") from None
         if hint is None or ids is None:
             continue  # text prompts: boundaries past the prompt are clipped by the scheduler
-        for name in ("stable_prefix_tokens", "fork_point_tokens"):
+        for name in ("stable_prefix_tokens", "fork_point_tokens", "edit_from_tokens"):
             value = getattr(hint, name)
             if value is not None and value > len(ids):
                 raise ValueError(f"invalid kv_hints: `{name}`={value} is past the end of the "
