@@ -22,19 +22,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
-    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
-        get_tree_core_factory,
-        register_tree_core_backend,
-    )
-
     from sgl_agentcache.server import admission, control
-    from sgl_agentcache.server.cache import agent_tree_core_factory, agentcache_factory
+    from sgl_agentcache.server.cache import register_backends
 
-    if get_tree_core_factory(BACKEND_NAME) is None:
-        register_tree_core_backend(BACKEND_NAME, agent_tree_core_factory)
-    if get_radix_cache_factory(BACKEND_NAME) is None:
-        register_radix_cache_backend(BACKEND_NAME, agentcache_factory)
+    register_backends()
     control.install()
     admission.install()
     if multiprocessing.parent_process() is None:

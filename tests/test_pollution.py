@@ -5,7 +5,8 @@ Each scenario runs against three real CPU servers with a 2048-token pool:
 - ``stock-lru``       SGLang's default radix cache (no hints, no sessions);
 - ``stock-sessions``  SGLang with ``--enable-session-radix-cache``, one ``session_id`` per agent
                       (soft protection of referenced nodes), sessions closed when an agent finishes;
-- ``agentcache``      our backend, the same traffic tagged with lifecycle hints.
+- ``agentcache``      our backend, the same traffic tagged with lifecycle hints;
+- ``agentcache+sessions`` our backend with ``--enable-session-radix-cache``, hints and session ids.
 
 Stock with sessions already protects a lead agent whose subagents' sessions were closed before it
 resumes, so each scenario is one stock cannot handle: the outcome asserted for ``agentcache`` must
@@ -29,6 +30,8 @@ MODES = {
     "stock-lru": dict(backend=None, extra_args=()),
     "stock-sessions": dict(backend=None, extra_args=("--enable-session-radix-cache",)),
     "agentcache": dict(backend="agentcache", extra_args=()),
+    # Composition: our ranking on top of SGLang's session references (both sent on every call).
+    "agentcache+sessions": dict(backend="agentcache", extra_args=("--enable-session-radix-cache",)),
 }
 RESULTS: dict[str, dict[str, int]] = {}
 
@@ -59,9 +62,9 @@ class Agents:
         """One model call of an agent; returns its cached_tokens."""
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                                                       "ignore_eos": True}}
-        if self.mode == "stock-sessions":
+        if self.mode.endswith("sessions"):
             body["session_id"] = f"{session}.{branch}"
-        elif self.mode == "agentcache":
+        if self.mode.startswith("agentcache"):
             hint = {"session": session, "branch": branch, "stable_prefix_tokens": stable}
             if parent is not None:
                 hint["parent_branch"] = parent
@@ -71,7 +74,7 @@ class Agents:
     def finish(self, *, session: str, branch: str = "main") -> None:
         """An agent is done: stock sessions close their session_id; lifecycle hints need nothing
         (finished-but-unclosed scratch is exactly what a real harness leaves behind)."""
-        if self.mode == "stock-sessions":
+        if self.mode.endswith("sessions"):
             self.server.request("POST", "/close_session", {"session_id": f"{session}.{branch}"})
 
 
@@ -89,7 +92,7 @@ def test_a_lead_paused_while_fifty_subagents_overfill_the_pool(mode_server, tiny
         agents.call(agents.ids(90), session="lead", branch=f"sub{i}", parent="main", max_new_tokens=8)
     kept = agents.call(lead + agents.ids(20), session="lead")  # the tool returns; the lead resumes
     _record("a: lead paused, 50 subagents", mode, kept, len(lead))
-    if mode == "agentcache":
+    if mode.startswith("agentcache"):
         assert kept >= len(lead)
     else:
         assert kept < len(lead) // 2  # stock (with or without sessions) lost the lead's prefix
@@ -109,7 +112,7 @@ def test_b_dead_scratch_goes_before_an_intermittent_stable_prefix(mode_server, t
         agents.call(agents.ids(150), session="other")
     kept = agents.call(stable + agents.ids(30), session="typeB-2", stable=len(stable))
     _record("b: stable vs dead scratch", mode, kept, len(stable))
-    if mode == "agentcache":
+    if mode.startswith("agentcache"):
         assert kept >= len(stable)
     else:
         assert kept < len(stable) // 2
@@ -125,7 +128,7 @@ def test_c_runaway_branch_is_stopped_by_its_quota(mode_server, tiny_model):
         agents.call(agents.ids(400), session="runner", branch="loop", parent="main", max_new_tokens=8)
     kept = agents.call(victim + agents.ids(20), session="victim")
     _record("c: runaway branch", mode, kept, len(victim))
-    if mode == "agentcache":
+    if mode.startswith("agentcache"):
         _, stats = server.request("GET", "/agentcache/stats")
         loop = [b for b in stats["branches"] if b["branch"] == "loop"]
         assert loop and loop[0]["owned_tokens"] <= 512

@@ -357,3 +357,21 @@ def agentcache_factory(ctx):
 
 def agent_tree_core_factory(params, components) -> AgentTreeCore:
     return AgentTreeCore(params, components)
+
+
+def register_backends() -> None:
+    """Register the ``agentcache`` tree-core and radix-cache backends with SGLang if absent (idempotent).
+
+    The cache's own registrations, shared by the plugin entry point (serving processes) and the offline
+    driver (no server, so none of the plugin's HTTP, ingress or IPC hooks).
+    """
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
+        get_tree_core_factory,
+        register_tree_core_backend,
+    )
+
+    if get_tree_core_factory(BACKEND_NAME) is None:
+        register_tree_core_backend(BACKEND_NAME, agent_tree_core_factory)
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, agentcache_factory)

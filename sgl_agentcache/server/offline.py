@@ -76,7 +76,7 @@ from sglang.srt.runtime_context import SpawnRanks, create_context, get_memory, u
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_agentcache import BACKEND_NAME
-from sgl_agentcache.server.cache import AgentRadixCache
+from sgl_agentcache.server.cache import AgentRadixCache, register_backends
 from sgl_agentcache.server.integrity import IntegrityReport
 
 if TYPE_CHECKING:
@@ -93,7 +93,6 @@ __all__ = [
     "context_of",
     "offline_context",
     "offline_server_args",
-    "register_backends",
 ]
 
 #: ``max_new_tokens`` given to offline requests: they finish only when the driver says so.
@@ -138,27 +137,6 @@ class OfflineReq(Req):
 
 
 # ---- construction ----------------------------------------------------------------------------
-
-
-def register_backends() -> None:
-    """Register the ``agentcache`` tree-core and radix-cache backends with SGLang if absent.
-
-    Only the two registrations :func:`sgl_agentcache.plugin.register` makes for the cache; the plugin's
-    HTTP, ingress and IPC hooks are left alone (they concern a serving process). Idempotent, and safe
-    to combine with a later ``plugin.register()``, which performs the same presence checks.
-    """
-    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
-    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
-        get_tree_core_factory,
-        register_tree_core_backend,
-    )
-
-    from sgl_agentcache.server.cache import agent_tree_core_factory, agentcache_factory
-
-    if get_tree_core_factory(BACKEND_NAME) is None:
-        register_tree_core_backend(BACKEND_NAME, agent_tree_core_factory)
-    if get_radix_cache_factory(BACKEND_NAME) is None:
-        register_radix_cache_backend(BACKEND_NAME, agentcache_factory)
 
 
 def offline_server_args(*, page_size: int = 1, enable_session_radix_cache: bool = False,
