@@ -22,6 +22,38 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(workers=args.workers)
 
 
+def _trace_gen(args: argparse.Namespace) -> int:
+    from sgl_agentcache.trace.generators import generate
+    from sgl_agentcache.trace.schema import save
+    from sgl_agentcache.trace.stats import stats_line, trace_stats
+
+    trace = generate(args.workload, seed=args.seed, scale=args.scale)
+    save(trace, args.out)
+    print(f"{args.out}: {stats_line(trace_stats(trace))}")
+    return 0
+
+
+def _trace_import(args: argparse.Namespace) -> int:
+    from sgl_agentcache.trace.importers import import_mooncake, import_weka
+    from sgl_agentcache.trace.schema import save
+    from sgl_agentcache.trace.stats import stats_line, trace_stats
+
+    trace = (import_weka if args.format == "weka" else import_mooncake)(args.src)
+    save(trace, args.out)
+    print(f"{args.out}: {stats_line(trace_stats(trace))}")
+    return 0
+
+
+def _trace_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from sgl_agentcache.trace.schema import load
+    from sgl_agentcache.trace.stats import trace_stats
+
+    print(json.dumps(trace_stats(load(args.file)), indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sgl-agentcache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a forked agent program against a real CPU server")
     demo.add_argument("--workers", type=int, default=4)
     demo.set_defaults(func=_demo)
+
+    trace = sub.add_parser("trace", help="agent-trajectory traces: generate, import, inspect").add_subparsers(
+        dest="trace_command", required=True)
+    gen = trace.add_parser("gen", help="write a seeded synthetic trace of one workload class")
+    from sgl_agentcache.trace.generators import WORKLOADS  # pure and cheap: fine at parse time
+
+    gen.add_argument("workload", choices=sorted(WORKLOADS))
+    gen.add_argument("out", help="output file (.jsonl or .msgpack)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--scale", type=float, default=1.0, help="multiply the default number of sessions")
+    gen.set_defaults(func=_trace_gen)
+    imp = trace.add_parser("import", help="convert a public agent trace (Weka-style or Mooncake) to ours")
+    imp.add_argument("format", choices=["weka", "mooncake"])
+    imp.add_argument("src")
+    imp.add_argument("out")
+    imp.set_defaults(func=_trace_import)
+    st = trace.add_parser("stats", help="print a trace's statistics as JSON")
+    st.add_argument("file")
+    st.set_defaults(func=_trace_stats)
     return parser
 
 

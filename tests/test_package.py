@@ -58,3 +58,12 @@ def test_tiny_model_is_deterministic(tmp_path):
     b = make_tiny_model(tmp_path / "b")
     assert (a.path / "tokenizer.json").read_text() == (b.path / "tokenizer.json").read_text()
     assert a.vocab_size == b.vocab_size <= 512
+
+
+def test_trace_cli_generates_and_reads_back(tmp_path, capsys):
+    out = tmp_path / "t.msgpack"
+    assert cli_main(["trace", "gen", "branch_heavy", str(out), "--seed", "3", "--scale", "0.1"]) == 0
+    assert "branch_heavy" in capsys.readouterr().out
+    assert cli_main(["trace", "stats", str(out)]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["forks"] > 0 and stats["requests"] > 0
