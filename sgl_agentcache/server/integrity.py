@@ -36,8 +36,9 @@ class IntegrityReport:
         return dict(self.__dict__)
 
 
-def check_tree(cache, *, idle: bool) -> IntegrityReport:
-    """Check ``cache`` (an ``AgentRadixCache``). ``idle``: no request holds KV, so conservation must hold."""
+def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityReport:
+    """Check ``cache`` (an ``AgentRadixCache``; with ``agent_state=False`` any ``UnifiedRadixCache`` on the
+    Python core, e.g. the stock baseline). ``idle``: no request holds KV, so conservation must hold."""
     core = cache.tree_core
     errors: list[str] = []
     try:
@@ -46,11 +47,11 @@ def check_tree(cache, *, idle: bool) -> IntegrityReport:
     except AssertionError as exc:
         errors.append(f"[sglang sanity_check] {exc}")
 
-    nodes = core.all_nodes()
+    nodes = core._collect_all_nodes()
     evictable = protected = 0
     seen_slots: set[int] = set()
     for node in nodes:
-        if not hasattr(node, "agent"):
+        if agent_state and not hasattr(node, "agent"):
             errors.append(f"node {node.id} has no agent state")
         for child_key, child in node.children.items():
             if child.parent is not node:
@@ -79,7 +80,8 @@ def check_tree(cache, *, idle: bool) -> IntegrityReport:
         else:
             evictable += len(slots)
 
-    errors.extend(_check_ownership(core, nodes, idle=idle))
+    if agent_state:
+        errors.extend(_check_ownership(core, nodes, idle=idle))
 
     if evictable != cache.evictable_size():
         errors.append(f"evictable recount {evictable} != evictable_size() {cache.evictable_size()}")

@@ -77,7 +77,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.server.cache import AgentRadixCache, register_backends
-from sgl_agentcache.server.integrity import IntegrityReport
+from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 
 if TYPE_CHECKING:
     from sglang.srt.runtime_context import RuntimeContext
@@ -170,7 +170,7 @@ def offline_context(server_args: ServerArgs | None = None) -> RuntimeContext:
 
 def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: int = 64,
                         enable_session_radix_cache: bool = False, *, context_len: int | None = None,
-                        server_args: ServerArgs | None = None) -> AgentRadixCache:
+                        server_args: ServerArgs | None = None, stock: bool = False) -> AgentRadixCache:
     """Build the real ``AgentRadixCache`` over real SGLang memory pools on CPU.
 
     - ``pool_tokens``: KV slots in the pool (the allocator's ``size``; rounded down to whole pages).
@@ -180,6 +180,8 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
     - ``context_len``: the longest request (prompt + output) a row can hold; default ``pool_tokens``.
     - ``server_args``: a ready ``ServerArgs`` instead of :func:`offline_server_args` (its ``page_size``
       and ``enable_session_radix_cache`` must agree with the arguments).
+    - ``stock``: build SGLang's own ``UnifiedRadixCache`` on its Python tree core instead (the
+      default chain, no plugin): the baseline the replayer measures against.
 
     The cache is built through ``sglang.srt.mem_cache.registry.create_tree_cache`` -- the scheduler's
     own entry -- so our registered ``agentcache`` factory (with its pinned-internals check) runs. The
@@ -198,7 +200,8 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
         raise ValueError(f"pool_tokens must hold at least one {page_size}-token page")
     if server_args is None:
         server_args = offline_server_args(page_size=page_size,
-                                          enable_session_radix_cache=enable_session_radix_cache)
+                                          enable_session_radix_cache=enable_session_radix_cache,
+                                          **({"radix_cache_backend": None} if stock else {}))
     elif server_args.page_size not in (None, page_size):
         raise ValueError(f"server_args.page_size={server_args.page_size} but page_size={page_size}")
     context = offline_context(server_args)
@@ -226,7 +229,7 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
             eviction_policy=memory.radix_eviction_policy,
             eviction_policy_config=memory.radix_eviction_policy_config,
             enable_session_radix_cache=memory.enable_session_radix_cache,
-            tree_core_backend=BACKEND_NAME,  # agentcache_factory sets it too
+            tree_core_backend="python" if stock else BACKEND_NAME,  # agentcache_factory sets it too
         )
         build = TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
@@ -234,7 +237,7 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
             tp_size=1, tp_rank=0, tp_group=None,
         )
         cache = create_tree_cache(build)
-    if not isinstance(cache, AgentRadixCache):
+    if not stock and not isinstance(cache, AgentRadixCache):
         raise RuntimeError(f"create_tree_cache built {type(cache).__name__}, not AgentRadixCache "
                            f"(radix_cache_backend={server_args.radix_cache_backend!r})")
     _CONTEXTS[cache] = context
@@ -312,7 +315,9 @@ class OfflineDriver:
     def check(self) -> IntegrityReport:
         """``cache.check_integrity`` -- idle (conservation enforced) when no request is live."""
         with self.activated():
-            return self.cache.check_integrity(idle=not self.live)
+            if isinstance(self.cache, AgentRadixCache):
+                return self.cache.check_integrity(idle=not self.live)
+            return check_tree(self.cache, idle=not self.live, agent_state=False)
 
     @contextmanager
     def activated(self) -> Iterator[AgentRadixCache]:
@@ -357,7 +362,7 @@ class OfflineDriver:
             )
             cache = self.cache
             # The plugin's AROUND hook on Scheduler._create_generation_req (server/admission.py).
-            if req.kv_hints is not None:
+            if req.kv_hints is not None and isinstance(cache, AgentRadixCache):
                 refusal = cache.admit(req)
                 if refusal is not None:
                     raise OfflineRefused(f"request {rid!r} refused: {refusal}")

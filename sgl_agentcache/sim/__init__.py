@@ -1,0 +1,1 @@
+"""Trace replay: the real cache code (offline, on SGLang's CPU pools) under a cost model."""
