@@ -23,6 +23,7 @@ takes the same ones.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import os
@@ -80,6 +81,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.session_quota_tokens = int(os.environ.get(SESSION_QUOTA_ENV, 0)) or max(pool // 2, 1)
         self.closed = RecentBranches()
         self.seen = RecentBranches()
+        self.quotas: dict[BranchKey, int] = {}  # each open branch's quota, as its own requests set it
         self.freed_on_close_tokens = 0
         self.quota_clipped_inserts = 0
         self.quota_evicted_tokens = 0
@@ -106,8 +108,13 @@ class AgentRadixCache(UnifiedRadixCache):
             plan = insert_plan(hint, namespace_of(req), self.closed)
             req.agentcache_plan = plan
             req.agentcache_hint = hint
-        elif plan.own.owner is not None and not plan.own.terminated and plan.own.owner in self.closed:
+        elif any(state is not None and state.owner in self.closed and not state.terminated
+                 for state in (plan.own, plan.parent)):
+            # A branch (or the parent a fork charges) closed since the plan was made: its tokens are
+            # born terminated from now on, never revived.
             plan = req.agentcache_plan = insert_plan(req.agentcache_hint, namespace_of(req), self.closed)
+        if plan.own.owner is not None:
+            self.quotas[plan.own.owner] = self.quota_for(plan)
         return plan
 
     def admit(self, req) -> str | None:
@@ -161,6 +168,18 @@ class AgentRadixCache(UnifiedRadixCache):
             return allowed
         return up_to
 
+    def _stamp(self, node, plan: InsertPlan, start: int) -> None:
+        """Give a created node the plan's state for its first token. Tokens a fork assigns to its parent
+        are charged to the parent only within the parent's quota; past it they are the fork's own (its
+        quota check already counted them), so no hint can push another branch over its quota."""
+        state = plan.state_at(start)
+        owner = state.owner
+        if owner is not None and owner != plan.own.owner:
+            quota = self.quotas.get(owner, self.branch_quota_tokens)
+            if self.tree_core.owned_tokens(owner) + len(node.key) > quota:
+                state = plan.own.copy()
+        self.tree_core.set_state(node, state)
+
     def _drop_edited_history(self, req, owner: BranchKey, edit_from: int) -> int:
         """Terminate ``owner``'s tokens past ``edit_from`` that this request's prompt does not share.
 
@@ -177,10 +196,13 @@ class AgentRadixCache(UnifiedRadixCache):
             if node in keep:
                 continue
             start = _depth(core, node)
-            if start + len(node.key) <= edit_from:
+            # The tree splits at page boundaries only: the page holding ``edit_from`` goes with the
+            # stale suffix (its shared head is re-prefilled; reuse stays exact).
+            cut = edit_from - edit_from % self.page_size
+            if start + len(node.key) <= cut:
                 continue
-            if start < edit_from:
-                front, action = core._split_node(node.key, node, edit_from - start)
+            if start < cut:
+                front, action = core._split_node(node.key, node, cut - start)
                 if action is not None:
                     self._apply_cache_actions([action])
             state = node.agent.copy()
@@ -207,13 +229,16 @@ class AgentRadixCache(UnifiedRadixCache):
             end = start + len(node.key)
             if node in fresh:
                 for boundary in plan.boundaries():
+                    # The tree splits only at page boundaries: a page takes the class and owner of
+                    # its first token (a boundary inside a page rounds up to the page's end).
+                    boundary += -boundary % self.page_size
                     if start < boundary < end:
                         front, action = core._split_node(node.key, node, boundary - start)
                         if action is not None:
                             self._apply_cache_actions([action])
-                        core.set_state(front, plan.state_at(start))
+                        self._stamp(front, plan, start)
                         start = boundary
-                core.set_state(node, plan.state_at(start))
+                self._stamp(node, plan, start)
             start = end
 
     # ---- termination ----
@@ -225,6 +250,7 @@ class AgentRadixCache(UnifiedRadixCache):
         if not known and not already:
             return {"closed": False, "reason": "unknown branch"}
         self.closed.add(branch)
+        self.quotas.pop(branch, None)
         core = self.tree_core
         for node in list(core.owner_index.get(branch, ())):
             if not node.agent.terminated:
@@ -273,6 +299,12 @@ class AgentRadixCache(UnifiedRadixCache):
             if parent in members and core.is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return tracker[FULL]
+
+    def evict(self, params):
+        """Stock eviction, then reclaim of terminated nodes it exposed as leaves (same step)."""
+        result = super().evict(params)
+        freed = self.reclaim_terminated()
+        return dataclasses.replace(result, num_tokens_evicted=result.num_tokens_evicted + freed) if freed else result
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)

@@ -140,6 +140,7 @@ def replay(trace: Trace, policy: str, *, pool_tokens: int, profile: Profile, voc
     for record in trace.records:
         push(record.t, "arrive", record)
     waiting: list[tuple[Request | Event, float]] = []
+    deferred: dict[tuple, list[tuple[Request, float]]] = {}
     live: dict[tuple, tuple] = {}  # branch -> (offline req, trace request)
     by_id = {r.id: r for r in trace.requests}
     after_tool = {nxt.id for rid, nxt in book.next_call.items() if by_id[rid].tool is not None}
@@ -148,6 +149,9 @@ def replay(trace: Trace, policy: str, *, pool_tokens: int, profile: Profile, voc
         return (r.tenant, r.session, r.branch)
 
     def try_start(request: Request, arrived: float, now: float) -> bool:
+        if branch_key(request) in live:  # its previous call is still running (see "arrive")
+            deferred.setdefault(branch_key(request), []).append((request, arrived))
+            return True
         # Admission budget, like the scheduler's: the prompt plus the whole output must fit in what is
         # free or evictable, after what live requests will still decode.
         reserved = sum(max(r.output_tokens, 1) for _, r in live.values())
@@ -174,12 +178,25 @@ def replay(trace: Trace, policy: str, *, pool_tokens: int, profile: Profile, voc
         push(now + service, "done", request)
         return True
 
+    def close_blocked(event: Event) -> bool:
+        if event.kind == "abort":
+            return False  # an abort cuts in: it is meant for calls in flight
+        if event.kind == "close_session":
+            affected = lambda key: key[:2] == (event.tenant, event.session)  # noqa: E731
+        else:
+            affected = lambda key: key == branch_key(event)  # noqa: E731
+        return any(affected(key) for key in live) or any(affected(key) for key in deferred)
+
     def drain_waiting(now: float) -> None:
         # Events wait behind earlier requests so that a close never overtakes the calls before it.
         while waiting:
             record, arrived = waiting[0]
+            if isinstance(record, Event) and close_blocked(record):
+                return  # a close waits for the calls of its branch (session) that came before it
             if isinstance(record, Event):
                 _apply_event(driver, record, live, hinted, BranchKey)
+                if branch_key(record) not in live:  # an abort freed the branch for its deferred calls
+                    waiting.extend(deferred.pop(branch_key(record), ()))
             elif not try_start(record, arrived, now):
                 return
             waiting.pop(0)
@@ -187,7 +204,12 @@ def replay(trace: Trace, policy: str, *, pool_tokens: int, profile: Profile, voc
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "arrive" and isinstance(payload, Request):
-            if waiting or not try_start(payload, now, now):
+            if branch_key(payload) in live:
+                # Causality: the next call of a branch carries its previous output, so it cannot start
+                # before that call ends (the trace's own service model may have been faster).
+                deferred.setdefault(branch_key(payload), []).append((payload, now))
+                result.queued_requests += 1
+            elif waiting or not try_start(payload, now, now):
                 waiting.append((payload, now))
                 result.queued_requests += 1
         elif kind == "arrive":
@@ -201,9 +223,12 @@ def replay(trace: Trace, policy: str, *, pool_tokens: int, profile: Profile, voc
             req = entry[0]
             driver.extend(req, book.output(payload))
             driver.finish(req)
+            # The branch's next calls are causally next: ahead of anything that waits on them.
+            waiting[0:0] = deferred.pop(branch_key(payload), ())
             drain_waiting(now)
-        if not events and waiting:
-            raise RuntimeError(f"{len(waiting)} requests can never be admitted into a {pool_tokens}-token pool")
+        if not events and (waiting or deferred):
+            raise RuntimeError(f"{len(waiting) + len(deferred)} requests can never be admitted into a "
+                               f"{pool_tokens}-token pool")
 
     report = driver.check()
     result.integrity_ok = report.ok
