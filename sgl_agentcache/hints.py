@@ -50,6 +50,8 @@ __all__ = [
     "ACTION_VERSION",
     "HINT_HEADER",
     "ID_REGEX",
+    "PauseRef",
+    "PrefetchRef",
     "MAX_PAYLOAD_BYTES",
     "MAX_TOKENS_FIELD",
     "BranchRef",
@@ -234,6 +236,34 @@ class SessionRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Body of ``POST /agentcache/session/close``: every branch of a session."""
 
     session: _Id
+    extra_key: _Namespace | None = None
+    cache_salt: _Namespace | None = None
+
+
+class PauseRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /agentcache/pause``: the branch stops on a tool call.
+
+    The server computes the retained tokens and bytes itself; ``deadline_ms`` is clipped to the
+    server's maximum retention; ``priority`` prices resume latency, it never grants memory.
+    ``resume_required: false`` says the agent may never come back (the branch's state is worth less).
+    """
+
+    session: _Id
+    branch: _Id = "main"
+    tool_class: _ToolClass = "default"
+    deadline_ms: _DeadlineMs | None = None
+    priority: _Priority = 0
+    resume_required: bool = True
+    extra_key: _Namespace | None = None
+    cache_salt: _Namespace | None = None
+
+
+class PrefetchRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /agentcache/prefetch``: the tool is nearly done (``expected_remaining_ms`` left)."""
+
+    session: _Id
+    branch: _Id = "main"
+    expected_remaining_ms: _DeadlineMs | None = None
     extra_key: _Namespace | None = None
     cache_salt: _Namespace | None = None
 

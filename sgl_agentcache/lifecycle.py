@@ -65,14 +65,19 @@ def untagged() -> NodeState:
     return NodeState()
 
 
-def eviction_rank(state: NodeState, session_ref: int, last_access: float) -> tuple:
+#: Retention value of a node whose branch is paused on a tool call with a KEEP decision (pinned).
+KEPT_VALUE = 4
+
+
+def eviction_rank(state: NodeState, session_ref: int, last_access: float, kept: bool = False) -> tuple:
     """Sort key for eviction; the smallest leaf is evicted first.
 
-    Lifecycle value first (terminated < scratch = untagged < session < stable), then SGLang's session-radix
-    references (unreferenced before referenced, fewer before more; all 0 without
-    ``--enable-session-radix-cache``), then recency. Untagged traffic therefore keeps stock LRU order.
+    Lifecycle value first (terminated < scratch = untagged < session < stable < kept: a branch paused
+    with a KEEP decision), then SGLang's session-radix references (unreferenced before referenced,
+    fewer before more; all 0 without ``--enable-session-radix-cache``), then recency. Untagged traffic
+    therefore keeps stock LRU order.
     """
-    value = 0 if state.terminated else RETENTION_VALUE[state.cls]
+    value = 0 if state.terminated else KEPT_VALUE if kept else RETENTION_VALUE[state.cls]
     return (value, session_ref > 0, session_ref, last_access)
 
 

@@ -7,6 +7,7 @@ Token ids sent by tests are always drawn below the model's vocabulary (an id >= 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import zlib
@@ -41,6 +42,9 @@ def tokens(tiny_model, request) -> TokenSource:
     return TokenSource(tiny_model.vocab_size, seed=zlib.crc32(request.node.nodeid.encode()))
 
 
+#: Operator priors of the shared test server: a fast tool (tens of ms) and a long-tailed one (minutes).
+TOOL_PRIORS = {"grep": {"median_s": 0.02, "sigma": 0.5}, "ci_run": {"median_s": 60.0, "sigma": 1.5}}
+
 #: Per-branch quota of the shared test server (the default would be a quarter of the 4096-token pool).
 BRANCH_QUOTA_TOKENS = 512
 
@@ -49,7 +53,14 @@ BRANCH_QUOTA_TOKENS = 512
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-log") / "sglang.log"
     srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report",),
-                    env={"SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS)})
+                    env={"SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS),
+                         # Pause decisions priced as the seed's 36 KiB/token deployment, with operator
+                         # priors for two tool classes (see tests/test_pauses_server.py).
+                         "SGL_AGENTCACHE_PROFILE": "seed",
+                         "SGL_AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
+                         "SGL_AGENTCACHE_FAULT_INJECTION": "1",
+                         "SGL_AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl")})
+    srv.event_log = log.parent / "events.jsonl"
     with srv.start():
         yield srv
 

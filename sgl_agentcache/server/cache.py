@@ -27,6 +27,7 @@ import dataclasses
 import heapq
 import logging
 import os
+from collections import OrderedDict
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -34,7 +35,9 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
+from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
+from sgl_agentcache.server.pauses import PauseBook, default_settings, host_capacity_tokens
 from sgl_agentcache.server.tree_core import AgentTreeCore
 
 logger = logging.getLogger(__name__)
@@ -61,11 +64,12 @@ def _depth(core, node) -> int:
 class _LifecycleStrategy:
     """``EvictionStrategy`` for components other than FULL (no session references there)."""
 
-    def __init__(self, base):
+    def __init__(self, base, kept):
         self.base = base
+        self.kept = kept  # the pause book's pinned branches (a live dict)
 
     def get_priority(self, node):
-        return eviction_rank(node.agent, 0, self.base.get_priority(node))
+        return eviction_rank(node.agent, 0, self.base.get_priority(node), node.agent.owner in self.kept)
 
 
 class AgentRadixCache(UnifiedRadixCache):
@@ -81,18 +85,22 @@ class AgentRadixCache(UnifiedRadixCache):
         self.session_quota_tokens = int(os.environ.get(SESSION_QUOTA_ENV, 0)) or max(pool // 2, 1)
         self.closed = RecentBranches()
         self.seen = RecentBranches()
-        self.quotas: dict[BranchKey, int] = {}  # each open branch's quota, as its own requests set it
+        # Each open branch's quota, as its own requests set it (bounded like the branch sets).
+        self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
         self.freed_on_close_tokens = 0
         self.quota_clipped_inserts = 0
         self.quota_evicted_tokens = 0
         self.invalid_hints = 0
         self.context_edit_freed_tokens = 0
+        self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
+                                HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
+        kept = self.pauses.kept
         # Lifecycle value ranks before session references and the configured policy (see eviction_rank).
         base = core.eviction_strategy
-        core.eviction_strategy = _LifecycleStrategy(base)
+        core.eviction_strategy = _LifecycleStrategy(base, kept)
         full = self.components[FULL]
         full.session_ref_eviction_strategy = lambda node: eviction_rank(
-            node.agent, full.session_ref(node), base.get_priority(node))
+            node.agent, full.session_ref(node), base.get_priority(node), node.agent.owner in kept)
 
     # ---- inserts ----
 
@@ -115,6 +123,9 @@ class AgentRadixCache(UnifiedRadixCache):
             plan = req.agentcache_plan = insert_plan(req.agentcache_hint, namespace_of(req), self.closed)
         if plan.own.owner is not None:
             self.quotas[plan.own.owner] = self.quota_for(plan)
+            self.quotas.move_to_end(plan.own.owner)
+            if len(self.quotas) > self.closed.limit:
+                self.quotas.popitem(last=False)
         return plan
 
     def admit(self, req) -> str | None:
@@ -128,6 +139,8 @@ class AgentRadixCache(UnifiedRadixCache):
                 return refusal
         if plan.own.owner is not None:
             self.seen.add(plan.own.owner)
+            if plan.own.owner in self.pauses.records:  # the tool returned: unpin or restore first
+                self.pauses.resume(plan.own.owner)
         return None
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
@@ -156,7 +169,8 @@ class AgentRadixCache(UnifiedRadixCache):
             return up_to
         quota = self.quota_for(plan)
         new_tokens = max(up_to - req.kv.cache_protected_len, 0)
-        over = self.tree_core.owned_tokens(owner) + new_tokens - quota
+        # Tokens the branch holds on the host tier count against its quota too.
+        over = self.tree_core.owned_tokens(owner) + self.pauses.host.tokens_of(owner) + new_tokens - quota
         if over > 0:
             self.quota_evicted_tokens += self._evict_nodes(self.tree_core.owner_index.get(owner, ()), over)
         room = quota - self.tree_core.owned_tokens(owner)
@@ -216,11 +230,16 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def _settle(self, req, plan: InsertPlan) -> None:
         """Split the nodes this insert created at the plan's boundaries and stamp each part."""
+        fresh = self.tree_core.take_fresh()
+        if fresh and req.last_node is not None:
+            self.classify_created(req.last_node, fresh, plan.boundaries(),
+                                  lambda node, start: self._stamp(node, plan, start))
+
+    def classify_created(self, last_node_id, fresh, boundaries, stamp) -> None:
+        """Split the ``fresh`` nodes on the path to ``last_node_id`` at ``boundaries`` (absolute token
+        offsets) and call ``stamp(node, start)`` on each created part (``start``: its first token)."""
         core = self.tree_core
-        fresh = core.take_fresh()
-        if not fresh or req.last_node is None:
-            return
-        path, node = [], core.node_by_id(req.last_node)
+        path, node = [], core.node_by_id(last_node_id)
         while node is not core.root_node:
             path.append(node)
             node = node.parent
@@ -228,7 +247,7 @@ class AgentRadixCache(UnifiedRadixCache):
         for node in reversed(path):
             end = start + len(node.key)
             if node in fresh:
-                for boundary in plan.boundaries():
+                for boundary in boundaries:
                     # The tree splits only at page boundaries: a page takes the class and owner of
                     # its first token (a boundary inside a page rounds up to the page's end).
                     boundary += -boundary % self.page_size
@@ -236,21 +255,22 @@ class AgentRadixCache(UnifiedRadixCache):
                         front, action = core._split_node(node.key, node, boundary - start)
                         if action is not None:
                             self._apply_cache_actions([action])
-                        self._stamp(front, plan, start)
+                        stamp(front, start)
                         start = boundary
-                self._stamp(node, plan, start)
+                stamp(node, start)
             start = end
 
     # ---- termination ----
 
     def close_branch(self, branch: BranchKey) -> dict:
         """Terminate ``branch``: its nodes become reclaimable, unlocked ones are freed now."""
-        known = branch in self.seen or branch in self.tree_core.owner_index
+        known = branch in self.seen or branch in self.tree_core.owner_index or branch in self.pauses.host.entries
         already = branch in self.closed
         if not known and not already:
             return {"closed": False, "reason": "unknown branch"}
         self.closed.add(branch)
         self.quotas.pop(branch, None)
+        host_freed = self.pauses.forget(branch)
         core = self.tree_core
         for node in list(core.owner_index.get(branch, ())):
             if not node.agent.terminated:
@@ -258,7 +278,7 @@ class AgentRadixCache(UnifiedRadixCache):
                 state.terminated = True
                 core.set_state(node, state)
         freed = self.reclaim_terminated()
-        return {"closed": True, "already_closed": already, "freed_tokens": freed,
+        return {"closed": True, "already_closed": already, "freed_tokens": freed, "host_freed_tokens": host_freed,
                 "pending_tokens": core.owned_tokens(branch)}
 
     def close_session(self, namespace: str | None, session: str) -> dict:
@@ -363,6 +383,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "quota_evicted_tokens": self.quota_evicted_tokens,
             "invalid_hints": self.invalid_hints,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
+            "pauses": self.pauses.stats(),
         }
 
     def check_integrity(self, *, idle: bool) -> IntegrityReport:

@@ -100,6 +100,68 @@ def _session_close(scheduler, args: dict) -> dict:
     return result
 
 
+def _branch(args: dict):
+    from sgl_agentcache.lifecycle import BranchKey
+
+    return BranchKey(args["namespace"], args["session"], args["branch"])
+
+
+@op("pause")
+def _pause(scheduler, args: dict) -> dict:
+    """Decide and apply a tool pause. ``latency`` is the sender's snapshot of the tool class's model
+    (the clock-dependent input, identical on every rank); ``force`` applies an action as given."""
+    import msgspec
+
+    from sgl_agentcache.policy.latency import LatencyModel, LatencySnapshot
+    from sgl_agentcache.policy.pause import PauseAction
+
+    cache = _agent_cache(scheduler)
+    branch = _branch(args)
+    if branch not in cache.seen and branch not in cache.tree_core.owner_index:
+        raise CtlError(404, f"unknown branch {branch.session}/{branch.branch} (nothing changed)")
+    latency = None
+    if args.get("latency") is not None:
+        latency = LatencyModel.from_snapshot(msgspec.convert(args["latency"], LatencySnapshot))
+    force = PauseAction(args["force"]) if args.get("force") else None
+    result = cache.pauses.pause(
+        branch, latency, tool_class=args.get("tool_class", "default"), force=force,
+        **{k: args[k] for k in ("elapsed_s", "deadline_s", "priority", "resume_probability", "prefetch_lead_s")
+           if k in args})
+    if not result["paused"] and result.get("reason") == "branch is closed":
+        raise CtlError(409, f"branch {branch.session}/{branch.branch} is closed (nothing changed)")
+    return result
+
+
+@op("resume")
+def _resume(scheduler, args: dict) -> dict:
+    return _agent_cache(scheduler).pauses.resume(_branch(args))
+
+
+@op("prefetch")
+def _prefetch(scheduler, args: dict) -> dict:
+    return _agent_cache(scheduler).pauses.prefetch_branch(_branch(args))
+
+
+@op("expire")
+def _expire(scheduler, args: dict) -> dict:
+    return _agent_cache(scheduler).pauses.expire(_branch(args))
+
+
+@op("fault")
+def _fault(scheduler, args: dict) -> dict:
+    """Test-only fault injection (``SGL_AGENTCACHE_FAULT_INJECTION=1``): fail the next transfers."""
+    import os
+
+    if os.environ.get("SGL_AGENTCACHE_FAULT_INJECTION") != "1":
+        raise CtlError(403, "fault injection is disabled (set SGL_AGENTCACHE_FAULT_INJECTION=1)")
+    cache = _agent_cache(scheduler)
+    try:
+        cache.pauses.host.fail_next(str(args.get("kind")), int(args.get("count", 1)))
+    except ValueError as exc:
+        raise CtlError(400, str(exc)) from None
+    return {"armed": args.get("kind"), "count": int(args.get("count", 1))}
+
+
 def handle_ctl(scheduler, msg: AgentCacheCtl) -> AgentCacheCtlOut:
     """Scheduler-side dispatch. Never raises: a bad message must not take the scheduler down."""
     handler = OPS.get(msg.op)

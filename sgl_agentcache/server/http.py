@@ -6,15 +6,35 @@ logic runs in the scheduler. SGLang's ``--api-key`` middleware covers these rout
 
 from __future__ import annotations
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from sgl_agentcache import BACKEND_NAME, __version__
-from sgl_agentcache.hints import BranchRef, HintError, SessionRef, parse_route_body
+from sgl_agentcache.hints import BranchRef, HintError, PauseRef, PrefetchRef, SessionRef, parse_route_body
 from sgl_agentcache.lifecycle import namespace_key
 from sgl_agentcache.server.control import call_schedulers
+from sgl_agentcache.server.coordinator import PauseCoordinator
 
 router = APIRouter(prefix="/agentcache", tags=["agentcache"])
+
+
+async def _send(op_name: str, args: dict) -> tuple[int, dict]:
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    reply = await call_schedulers(get_global_state().tokenizer_manager, op_name, args)
+    return reply.status, reply.result
+
+
+#: The HTTP process's pause coordinator (clocks, latency book, deadlines); see coordinator.py.
+coordinator = PauseCoordinator(send=_send)
+
+
+async def _body(request: Request, kind: type):
+    try:
+        return parse_route_body(await request.body(), kind), None
+    except HintError as exc:
+        return None, JSONResponse({"error": str(exc)}, status_code=400)
 
 
 async def _forward(op_name: str, args: dict | None = None, extra: dict | None = None) -> JSONResponse:
@@ -28,7 +48,8 @@ async def _forward(op_name: str, args: dict | None = None, extra: dict | None = 
 @router.get("/stats")
 async def stats() -> JSONResponse:
     """Backend identity, resident tokens per lifecycle class, size counters (scheduler rank 0's tree)."""
-    return await _forward("stats", extra={"backend": BACKEND_NAME, "version": __version__})
+    return await _forward("stats", extra={"backend": BACKEND_NAME, "version": __version__,
+                                          "coordinator": coordinator.stats()})
 
 
 @router.get("/check")
@@ -48,8 +69,9 @@ async def branch_close(request: Request) -> JSONResponse:
         ref = parse_route_body(await request.body(), BranchRef)
     except HintError as exc:
         return JSONResponse({"error": str(exc)}, status_code=400)
-    return await _forward("branch_close", {"namespace": namespace_key(ref.extra_key, ref.cache_salt),
-                                           "session": ref.session, "branch": ref.branch})
+    namespace = namespace_key(ref.extra_key, ref.cache_salt)
+    coordinator.forget(namespace, ref.session, ref.branch)
+    return await _forward("branch_close", {"namespace": namespace, "session": ref.session, "branch": ref.branch})
 
 
 @router.post("/session/close")
@@ -59,8 +81,60 @@ async def session_close(request: Request) -> JSONResponse:
         ref = parse_route_body(await request.body(), SessionRef)
     except HintError as exc:
         return JSONResponse({"error": str(exc)}, status_code=400)
-    return await _forward("session_close", {"namespace": namespace_key(ref.extra_key, ref.cache_salt),
-                                            "session": ref.session})
+    namespace = namespace_key(ref.extra_key, ref.cache_salt)
+    coordinator.forget(namespace, ref.session)
+    return await _forward("session_close", {"namespace": namespace, "session": ref.session})
+
+
+@router.post("/pause")
+async def pause(request: Request) -> JSONResponse:
+    """The branch stops on a tool call: keep, offload or discard its KV (the server decides).
+
+    Body: :class:`~sgl_agentcache.hints.PauseRef`. The reply carries the decision, the tokens it
+    concerned, the expected cost of each option and the (clipped) deadline. 404 for an unknown branch.
+    """
+    ref, error = await _body(request, PauseRef)
+    if error is not None:
+        return error
+    status, result = await coordinator.pause(
+        namespace_key(ref.extra_key, ref.cache_salt), ref.session, ref.branch, tool_class=ref.tool_class,
+        deadline_ms=ref.deadline_ms, priority=ref.priority, resume_required=ref.resume_required)
+    return JSONResponse(result, status_code=status)
+
+
+@router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    """The tool returned: restore (or unpin) now. The branch's next request does the same by itself."""
+    ref, error = await _body(request, BranchRef)
+    if error is not None:
+        return error
+    status, result = await coordinator.resume(namespace_key(ref.extra_key, ref.cache_salt), ref.session, ref.branch)
+    return JSONResponse(result, status_code=status)
+
+
+@router.post("/prefetch")
+async def prefetch(request: Request) -> JSONResponse:
+    """The tool is nearly done: restore from host ahead of the request, within the speculative budget."""
+    ref, error = await _body(request, PrefetchRef)
+    if error is not None:
+        return error
+    status, result = await coordinator.prefetch(namespace_key(ref.extra_key, ref.cache_salt), ref.session,
+                                                ref.branch, ref.expected_remaining_ms)
+    return JSONResponse(result, status_code=status)
+
+
+@router.post("/fault")
+async def fault(request: Request) -> JSONResponse:
+    """Test-only: make the next host-tier transfers fail (403 unless SGL_AGENTCACHE_FAULT_INJECTION=1)."""
+    import os
+
+    if os.environ.get("SGL_AGENTCACHE_FAULT_INJECTION") != "1":
+        return JSONResponse({"error": "fault injection is disabled"}, status_code=403)
+    try:
+        body = msgspec.json.decode(await request.body(), type=dict[str, str | int])
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return JSONResponse({"error": f"invalid body: {exc}"}, status_code=400)
+    return await _forward("fault", body)
 
 
 _installed = False

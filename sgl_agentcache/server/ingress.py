@@ -45,7 +45,25 @@ def validate_request_hints(obj) -> None:
 def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
     if getattr(obj, "kv_hints", None):
         validate_request_hints(obj)
+        _note_resumes(obj)
     return None
+
+
+def _note_resumes(obj) -> None:
+    """A request of a paused branch means its tool returned: tell the pause coordinator (its clock)."""
+    from sgl_agentcache.lifecycle import namespace_key
+    from sgl_agentcache.server.http import coordinator
+
+    if not coordinator.active:
+        return
+    envelopes = obj.kv_hints if isinstance(obj.kv_hints, list) else [obj.kv_hints]
+    for i, envelope in enumerate(envelopes):
+        hint = find_lifecycle_hint(envelope)
+        if hint is None:
+            continue
+        pick = lambda v: v[i] if isinstance(v, list) else v  # noqa: E731 - batched requests carry lists
+        namespace = namespace_key(pick(getattr(obj, "extra_key", None)), pick(getattr(obj, "cache_salt", None)))
+        coordinator.note_request(namespace, hint.session, hint.branch)
 
 
 def _after_convert_to_internal_request(result, serving, request, raw_request=None, *args, **kwargs):

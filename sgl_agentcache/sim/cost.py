@@ -4,11 +4,22 @@ The replayer moves no real KV and runs no model; it charges time from these cons
 named; ``seed`` carries the figures of the tool-pause article (36 KiB of KV per token, 8 GiB/s
 host<->device, 20,000 prefill tokens/s), ``qwen2.5-3b-h200`` is a Qwen2.5-3B-shaped model on an H200
 (provisional, to be replaced by the calibration script's measured profile).
+
+Measured profiles are JSON files written by ``bench/gpu/calibrate.py`` (schema
+``sgl-agentcache-profile/1``); :func:`load_profile` reads one, :func:`resolve_profile` accepts either a
+built-in name or such a path. This module imports no torch: it must stay cheap for the replayer.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+#: The only profile file schema this module reads; bump it when a field changes meaning.
+PROFILE_SCHEMA = "sgl-agentcache-profile/1"
 
 
 @dataclass(frozen=True)
@@ -31,3 +42,55 @@ PROFILES = {
     "seed": Profile("seed", 36 * 1024, 20_000.0, 0.02, 8 * 2**30, 8 * 2**30),
     "qwen2.5-3b-h200": Profile("qwen2.5-3b-h200", 36 * 1024, 60_000.0, 0.008, 40 * 2**30, 40 * 2**30),
 }
+
+
+class ProfileError(ValueError):
+    """A profile file or name is invalid; the message names the file and the offending field."""
+
+
+_Positive = Annotated[float, msgspec.Meta(gt=0.0)]
+
+
+class _ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """On-disk shape of a profile (``sgl-agentcache-profile/1``); ``measured`` is free-form provenance."""
+
+    schema: Literal["sgl-agentcache-profile/1"]
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    kv_bytes_per_token: Annotated[int, msgspec.Meta(gt=0)]
+    prefill_tokens_per_s: _Positive
+    decode_s_per_token: _Positive
+    h2d_bytes_per_s: _Positive
+    d2h_bytes_per_s: _Positive
+    measured: dict[str, Any] = {}
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile JSON file into a :class:`Profile`.
+
+    Raises :class:`ProfileError` (a ``ValueError``) naming the file and the field when the file is not
+    JSON, has the wrong ``schema`` string, misses a field, carries an unknown one, or has a size or rate
+    that is zero or negative (msgspec also refuses non-finite numbers: ``NaN``, ``Infinity``, ``1e999``);
+    ``FileNotFoundError`` when there is no file.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        raw = msgspec.json.decode(data, type=_ProfileFile)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProfileError(f"{path}: invalid profile ({PROFILE_SCHEMA}): {exc}") from None
+    return Profile(**{f: getattr(raw, f) for f in Profile.__dataclass_fields__})
+
+
+def resolve_profile(name_or_path: str | Path) -> Profile:
+    """A built-in profile by name (a key of :data:`PROFILES`), else the profile file at that path.
+
+    Names win over paths, so a file called ``seed`` in the working directory cannot shadow the built-in.
+    Raises :class:`ProfileError` when it is neither a known name nor an existing file.
+    """
+    key = str(name_or_path)
+    if key in PROFILES:
+        return PROFILES[key]
+    path = Path(name_or_path)
+    if path.is_file():
+        return load_profile(path)
+    raise ProfileError(f"unknown profile {key!r}: not one of {sorted(PROFILES)} and no such file")

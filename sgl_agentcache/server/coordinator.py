@@ -1,0 +1,199 @@
+"""Tool pauses on the HTTP side: the clocks, the learned latency distributions, deadlines, the event log.
+
+The scheduler must never read a clock (every TP rank has to take the same decision), so everything
+time-based lives here, in the one HTTP process, and reaches the schedulers as message fields:
+
+- the tool class's latency distribution (a :class:`~sgl_agentcache.policy.latency.LatencyBook` per
+  (namespace, tool class), learned from the observed pause -> resume times) travels as a snapshot with
+  each pause;
+- deadlines are timers here: when one fires, an ``expire`` message releases the branch on every tier.
+  ``deadline_ms`` is clipped to ``SGL_AGENTCACHE_MAX_RETENTION_S`` (default 600 s), and a pause with no
+  deadline gets that maximum: no tool may hold memory forever;
+- a resume is observed either from ``/agentcache/resume`` or from the branch's next request (the
+  ingress hook), whichever comes first; the scheduler restores on that request anyway;
+- prefetch lead time (from "nearly done" to the actual resume) is measured here; when its median over
+  the last window falls below ``SGL_AGENTCACHE_PREFETCH_MIN_LEAD_MS`` prefetch is refused here (the
+  scheduler separately turns it off when its precision falls).
+
+Every state change is appended to a JSONL event log when ``SGL_AGENTCACHE_EVENT_LOG`` names a file:
+``tool_wait`` (with the decision, retained tokens and bytes), ``restoring``/``decode`` (resume, with the
+restored tokens), ``cancelled`` (deadline), so tool wait is never counted as model latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import msgspec
+
+from sgl_agentcache.policy.distributions import LogNormal
+from sgl_agentcache.policy.latency import LatencyBook
+
+logger = logging.getLogger(__name__)
+MAX_RETENTION_ENV = "SGL_AGENTCACHE_MAX_RETENTION_S"
+MIN_LEAD_ENV = "SGL_AGENTCACHE_PREFETCH_MIN_LEAD_MS"
+EVENT_LOG_ENV = "SGL_AGENTCACHE_EVENT_LOG"
+#: JSON object: tool class -> {"median_s": ..., "sigma": ...}, the operator's cold-start prior per class.
+TOOL_PRIORS_ENV = "SGL_AGENTCACHE_TOOL_PRIORS"
+
+
+def tool_priors_from_env() -> dict[str, LogNormal]:
+    """The operator's per-class priors; a malformed value stops start-up with a clear message."""
+    raw = os.environ.get(TOOL_PRIORS_ENV)
+    if not raw:
+        return {}
+    try:
+        return msgspec.json.decode(raw, type=dict[str, LogNormal])
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"{TOOL_PRIORS_ENV} is not a JSON object of tool class -> "
+                         f'{{"median_s": float, "sigma": float}}: {exc}') from None
+
+Send = Callable[[str, dict], Awaitable[tuple[int, dict]]]  # (op, args) -> (status, result)
+
+
+@dataclass
+class _Active:
+    tool_class: str
+    started: float
+    timer: asyncio.Task | None = None
+    nearly_done_at: float | None = None
+
+
+class EventLog:
+    """Append-only JSONL of trajectory states; a no-op without a path."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.written = 0
+
+    def emit(self, state: str, branch: dict, **fields) -> None:
+        if not self.path:
+            return
+        record = {"ts": time.time(), "state": state, **branch, **fields}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
+        self.written += 1
+
+
+@dataclass
+class PauseCoordinator:
+    send: Send
+    max_retention_s: float = field(default_factory=lambda: float(os.environ.get(MAX_RETENTION_ENV, 600)))
+    min_lead_s: float = field(default_factory=lambda: float(os.environ.get(MIN_LEAD_ENV, 1)) / 1000)
+    clock: Callable[[], float] = time.monotonic
+    book: LatencyBook = field(default_factory=lambda: LatencyBook(priors=tool_priors_from_env()))
+    events: EventLog = field(default_factory=lambda: EventLog(os.environ.get(EVENT_LOG_ENV)))
+
+    def __post_init__(self) -> None:
+        self.active: dict[tuple[str, str, str], _Active] = {}
+        self.leads: deque[float] = deque(maxlen=32)
+        self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
+                         "deadline_clipped": 0, "prefetch_refused_lead": 0}
+
+    @staticmethod
+    def _args(namespace: str, session: str, branch: str) -> dict:
+        return {"namespace": namespace, "session": session, "branch": branch}
+
+    async def pause(self, namespace: str, session: str, branch: str, *, tool_class: str, deadline_ms: int | None,
+                    priority: int, resume_required: bool) -> tuple[int, dict]:
+        key = (namespace, session, branch)
+        deadline_s = self.max_retention_s
+        if deadline_ms is not None and deadline_ms / 1000 <= self.max_retention_s:
+            deadline_s = deadline_ms / 1000
+        elif deadline_ms is not None:
+            self.counters["deadline_clipped"] += 1
+        model = self.book.model(namespace, tool_class)
+        args = self._args(*key) | {
+            "tool_class": tool_class, "latency": msgspec.to_builtins(model.snapshot()), "deadline_s": deadline_s,
+            "priority": priority, "resume_probability": 1.0 if resume_required else 0.5}
+        status, result = await self.send("pause", args)
+        if status != 200:
+            return status, result
+        self._cancel(key)
+        self.counters["pauses"] += 1
+        if result.get("paused"):
+            active = self.active[key] = _Active(tool_class, self.clock())
+            active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
+        self.events.emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
+                         retained_tokens=result.get("tokens"), reason=result.get("reason"),
+                         deadline_s=deadline_s)
+        return status, result | {"deadline_s": deadline_s}
+
+    async def resume(self, namespace: str, session: str, branch: str, *, by_request: bool = False) -> tuple[int, dict]:
+        key = (namespace, session, branch)
+        active = self.active.pop(key, None)
+        if active is not None:
+            waited = self.clock() - active.started
+            self.book.observe(namespace, active.tool_class, waited)
+            if active.nearly_done_at is not None:
+                self.leads.append(self.clock() - active.nearly_done_at)
+            if active.timer is not None:
+                active.timer.cancel()
+            self.counters["resumes_by_request" if by_request else "resumes"] += 1
+        if by_request:  # the scheduler restores as it admits the request; nothing to send
+            if active is not None:
+                self.events.emit("restoring", self._args(*key), tool_class=active.tool_class, by="request")
+            return 200, {"resumed": active is not None}
+        status, result = await self.send("resume", self._args(*key))
+        if status == 200:
+            self.events.emit("decode", self._args(*key), restored_tokens=result.get("restored_tokens"),
+                             placement=result.get("placement"))
+        return status, result
+
+    async def prefetch(self, namespace: str, session: str, branch: str,
+                       expected_remaining_ms: int | None) -> tuple[int, dict]:
+        key = (namespace, session, branch)
+        active = self.active.get(key)
+        if active is None:
+            return 404, {"error": f"branch {session}/{branch} is not paused (nothing changed)"}
+        if len(self.leads) >= 8 and statistics.median(self.leads) < self.min_lead_s:
+            self.counters["prefetch_refused_lead"] += 1
+            return 200, {"prefetched": False, "reason": f"prefetch lead time {statistics.median(self.leads):.3g} s "
+                                                        f"< {self.min_lead_s:.3g} s: prefetch is off"}
+        active.nearly_done_at = self.clock()
+        status, result = await self.send("prefetch", self._args(*key))
+        self.events.emit("restoring", self._args(*key), speculative=True,
+                         restored_tokens=result.get("restored_tokens"), expected_remaining_ms=expected_remaining_ms)
+        return status, result
+
+    def note_request(self, namespace: str, session: str, branch: str) -> None:
+        """The branch's next request arrived (ingress): the tool returned."""
+        if (namespace, session, branch) in self.active:
+            asyncio.get_running_loop().create_task(self.resume(namespace, session, branch, by_request=True))
+
+    def forget(self, namespace: str, session: str | None = None, branch: str | None = None) -> None:
+        """A branch (or session) closed: its timers go."""
+        for key in [k for k in self.active if k[0] == namespace and k[1] == session
+                    and (branch is None or k[2] == branch)]:
+            self._cancel(key)
+
+    def _cancel(self, key) -> None:
+        active = self.active.pop(key, None)
+        if active is not None and active.timer is not None:
+            active.timer.cancel()
+
+    async def _expire_after(self, key, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.active.get(key) is None:
+            return
+        self.active.pop(key, None)
+        status, result = await self.send("expire", self._args(*key))
+        self.counters["deadline_expiries"] += 1
+        self.events.emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
+        logger.info("agentcache: deadline of %s/%s passed: %s", key[1], key[2], result)
+
+    def stats(self) -> dict:
+        models = {f"{t}/{c}": {"observations": m.observations, "p50_s": m.quantile(0.5), "p99_s": m.quantile(0.99)}
+                  for (t, c), m in list(self.book._models.items())[-32:]}
+        return {"active_pauses": len(self.active), **self.counters, "latency_models": models,
+                "prefetch_lead_median_s": statistics.median(self.leads) if self.leads else None,
+                "max_retention_s": self.max_retention_s, "event_log": self.events.path,
+                "events_written": self.events.written}

@@ -1,0 +1,191 @@
+"""The host tier: paused branches' KV copied out of the device pool, and back (one entry per branch).
+
+A small interface -- :meth:`HostTier.demote` (device -> host), :meth:`HostTier.promote` (host ->
+device), :meth:`HostTier.delete` -- over SGLang's own byte movers, the KV allocator's
+``get_cpu_copy(indices)`` / ``load_cpu_copy(copy, indices)`` (the pair SGLang uses to back up a retracted
+request). They exist for every KV pool layout SGLang supports and work on CUDA and on CPU, so the tier
+is real on both: offload really moves KV bytes out of the device pool and restore really writes them
+back. Bytes and seconds of every transfer are measured (for stats and metrics only: no cache decision
+reads a clock, so every TP rank decides the same).
+
+Why not SGLang's HiCache here: HiCache is node-granular write-through (every inserted node is backed
+up, evicted ones are loaded back on a later match). A tool pause needs the opposite grain -- one
+explicit move of one branch's private suffix, at a moment the policy chooses -- and HiCache cannot
+start on CPU (``cudaHostRegister``, see ``docs/cpu-sglang-recipe.md``). This tier runs alongside
+HiCache when that is enabled on GPU; the two never hold the same node (ours holds evicted suffixes).
+
+Capacity is in tokens (``SGL_AGENTCACHE_HOST_TOKENS``, default 4x the device pool); a demote that
+does not fit is refused, never partial. Fault injection (``fail_next``) exists for tests: it makes
+the next transfers of a kind raise, exactly where a real transfer error would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgl_agentcache.lifecycle import BranchKey, NodeState
+
+HOST_TOKENS_ENV = "SGL_AGENTCACHE_HOST_TOKENS"
+
+
+class TransferError(RuntimeError):
+    """A host<->device copy failed; the caller falls back to recompute."""
+
+
+@dataclass
+class HostEntry:
+    """One branch's offloaded suffix: tokens ``[start, end)`` of ``tokens`` (the branch's path key)."""
+
+    branch: BranchKey
+    tokens: Any  # the path's token ids [0, end) (array('q'))
+    extra_key: str | None
+    cache_salt: str | None
+    start: int
+    segments: list[tuple[int, NodeState]]  # (absolute offset, state) of each offloaded node, in order
+    kv: Any = field(repr=False)  # the allocator's CPU copy
+    nbytes: int = 0
+    speculative: bool = False
+
+    @property
+    def end(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    def state_at(self, offset: int) -> NodeState:
+        state = self.segments[0][1]
+        for seg_start, seg_state in self.segments:
+            if seg_start > offset:
+                break
+            state = seg_state
+        return state.copy()
+
+
+def _nbytes(obj: Any) -> int:
+    """Total bytes of the tensors in a (nested) CPU copy."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(x) for x in obj)
+    return 0
+
+
+@dataclass
+class TransferStats:
+    count: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+
+    def add(self, tokens: int, nbytes: int, seconds: float) -> None:
+        self.count += 1
+        self.tokens += tokens
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    def to_dict(self) -> dict:
+        rate = self.bytes / self.seconds if self.seconds > 0 else 0.0
+        return {"count": self.count, "tokens": self.tokens, "bytes": self.bytes, "seconds": self.seconds,
+                "failures": self.failures, "effective_bytes_per_s": rate}
+
+
+class HostTier:
+    """Branch-keyed host copies of KV, bounded in tokens. Not thread-safe (the scheduler thread owns it)."""
+
+    def __init__(self, allocator, capacity_tokens: int):
+        self.allocator = allocator
+        self.capacity_tokens = max(int(capacity_tokens), 0)
+        self.entries: dict[BranchKey, HostEntry] = {}
+        self.used_tokens = 0
+        self.used_bytes = 0
+        self.demotes = TransferStats()
+        self.promotes = TransferStats()
+        self.refused_full = 0
+        self._fail_next = {"demote": 0, "promote": 0}
+
+    # ---- the interface ----
+
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self.used_tokens
+
+    def bytes_per_token(self) -> int:
+        """Measured from the copies made so far (0 before the first)."""
+        return self.demotes.bytes // self.demotes.tokens if self.demotes.tokens else 0
+
+    def tokens_of(self, branch: BranchKey) -> int:
+        entry = self.entries.get(branch)
+        return entry.num_tokens if entry is not None else 0
+
+    def demote(self, branch: BranchKey, tokens, extra_key, cache_salt, start: int,
+               segments: Sequence[tuple[int, NodeState]], device_indices) -> HostEntry | None:
+        """Copy ``device_indices`` (the KV of ``tokens[start:]``) to host. None when the tier is full;
+        raises :class:`TransferError` when the copy fails (nothing is stored then)."""
+        n = len(tokens) - start
+        if n <= 0 or len(device_indices) != n:
+            raise ValueError(f"demote: {len(device_indices)} indices for {n} tokens")
+        if branch in self.entries:
+            self.delete(branch)
+        if n > self.free_tokens():
+            self.refused_full += 1
+            return None
+        began = time.perf_counter()
+        try:
+            self._maybe_fail("demote")
+            kv = self.allocator.get_cpu_copy(device_indices)
+        except Exception as exc:  # noqa: BLE001 - any copy failure degrades to recompute
+            self.demotes.failures += 1
+            raise TransferError(f"device->host copy of {n} tokens failed: {exc}") from exc
+        nbytes = _nbytes(kv)
+        self.demotes.add(n, nbytes, time.perf_counter() - began)
+        entry = HostEntry(branch, tokens, extra_key, cache_salt, start, list(segments), kv, nbytes)
+        self.entries[branch] = entry
+        self.used_tokens += n
+        self.used_bytes += nbytes
+        return entry
+
+    def promote(self, entry: HostEntry, device_indices) -> None:
+        """Write ``entry``'s KV into ``device_indices`` (freshly allocated by the caller); raises
+        :class:`TransferError` on failure. The entry stays until :meth:`delete`."""
+        if len(device_indices) != entry.num_tokens:
+            raise ValueError(f"promote: {len(device_indices)} indices for {entry.num_tokens} tokens")
+        began = time.perf_counter()
+        try:
+            self._maybe_fail("promote")
+            self.allocator.load_cpu_copy(entry.kv, device_indices)
+        except Exception as exc:  # noqa: BLE001
+            self.promotes.failures += 1
+            raise TransferError(f"host->device copy of {entry.num_tokens} tokens failed: {exc}") from exc
+        self.promotes.add(entry.num_tokens, entry.nbytes, time.perf_counter() - began)
+
+    def delete(self, branch: BranchKey) -> int:
+        """Drop ``branch``'s host copy; returns the tokens freed."""
+        entry = self.entries.pop(branch, None)
+        if entry is None:
+            return 0
+        self.used_tokens -= entry.num_tokens
+        self.used_bytes -= entry.nbytes
+        return entry.num_tokens
+
+    # ---- faults and views ----
+
+    def fail_next(self, kind: str, count: int = 1) -> None:
+        """Make the next ``count`` transfers of ``kind`` ("demote" or "promote") fail (tests only)."""
+        if kind not in self._fail_next:
+            raise ValueError(f"unknown transfer kind {kind!r}")
+        self._fail_next[kind] = count
+
+    def _maybe_fail(self, kind: str) -> None:
+        if self._fail_next[kind] > 0:
+            self._fail_next[kind] -= 1
+            raise RuntimeError(f"injected {kind} failure")
+
+    def stats(self) -> dict:
+        return {"capacity_tokens": self.capacity_tokens, "used_tokens": self.used_tokens,
+                "used_bytes": self.used_bytes, "entries": len(self.entries), "refused_full": self.refused_full,
+                "demote": self.demotes.to_dict(), "promote": self.promotes.to_dict()}

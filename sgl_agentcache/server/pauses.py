@@ -1,0 +1,474 @@
+"""Tool-call pauses in the scheduler: keep / offload / discard / release a paused branch's KV.
+
+One :class:`PauseBook` per :class:`~sgl_agentcache.server.cache.AgentRadixCache`. Its inputs arrive as
+messages (the ``/agentcache/pause`` route, the replayer), identical on every TP rank; the clock-dependent
+parts of a decision (the tool class's learned latency distribution, time left to the deadline) are
+computed once by the sender and travel in the message. Everything else the policy reads is tree state
+(retained tokens, free and evictable tokens, host headroom) or configuration (bandwidths and prefill
+rate of the deployment's profile), so every rank takes the same decision. Transfer seconds are
+measured for stats only.
+
+What each action does to the branch's *movable suffix* -- the chain of device nodes it owns at the end
+of its path that nothing else holds (unlocked, no other device children; never the shared prefix):
+
+- KEEP: the branch is pinned: its nodes rank above every unpinned node for eviction, until resume,
+  deadline or close. Pins are capped per namespace (branches and tokens); over the cap KEEP degrades
+  to OFFLOAD (or DISCARD without host room) and the clip is counted.
+- OFFLOAD: the suffix is copied to the host tier and its device slots are freed. Resume (the branch's
+  next request, the resume route or a prefetch) allocates slots, copies the bytes back and re-inserts
+  the nodes with their classes and owner. A full host tier or a failed copy falls back to DISCARD.
+- DISCARD: every unlocked node the branch owns is freed now; resume re-prefills.
+- RELEASE: DISCARD plus the host copy; the pause is over (deadline passed, nothing worth keeping).
+
+Restores that cannot happen (the prefix the suffix hangs from was evicted, no device room, a failed
+copy) delete the host copy and leave the request to recompute: nothing leaks, and each case is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+from sgl_agentcache.lifecycle import BranchKey
+from sgl_agentcache.policy.distributions import LatencyDistribution
+from sgl_agentcache.policy.pause import Incumbent, PauseAction, PauseDecision, PauseInputs, Placement, PolicyConfig, decide
+from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier, TransferError
+
+logger = logging.getLogger(__name__)
+FULL = ComponentType.FULL
+
+MAX_KEPT_BRANCHES_ENV = "SGL_AGENTCACHE_MAX_KEPT_BRANCHES"      # per namespace, default 16
+MAX_KEPT_TOKENS_ENV = "SGL_AGENTCACHE_MAX_KEPT_TOKENS"          # per namespace, default pool / 2
+PREFETCH_TOKENS_ENV = "SGL_AGENTCACHE_PREFETCH_BUDGET_TOKENS"   # unused speculative tokens per namespace
+PROFILE_ENV = "SGL_AGENTCACHE_PROFILE"                          # bandwidths and prefill rate for decisions
+
+
+@dataclass
+class PauseSettings:
+    """Server-side constants of pause decisions; no hint can change them."""
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    prefill_tokens_per_s: float
+    bytes_per_token: int  # KV bytes per token of this pool (all layers)
+    max_kept_branches: int
+    max_kept_tokens: int
+    prefetch_budget_tokens: int
+    prefetch_min_precision: float = 0.5  # below this (over the last window), prefetch turns itself off
+    prefetch_window: int = 32
+    prefetch_probe_every: int = 8  # while off, every n-th prefetch still runs, so it can turn back on
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+def default_settings(allocator, pool_tokens: int) -> PauseSettings:
+    """Settings from the environment and the deployment profile.
+
+    Bandwidths and prefill rate come from the profile named by ``SGL_AGENTCACHE_PROFILE`` (default
+    ``seed``; or the path of a profile written by ``bench/gpu/calibrate.py``). KV bytes per token are measured from the pool, unless the profile is named explicitly:
+    then the profile's figure is used too (a tiny CPU test model priced as the deployment it stands for).
+    """
+    from sgl_agentcache.sim.cost import resolve_profile
+
+    named = os.environ.get(PROFILE_ENV)
+    profile = resolve_profile(named or "seed")  # a built-in name or a calibrated profile file
+    kv = allocator.get_kvcache() if allocator is not None else None
+    per_token = profile.kv_bytes_per_token if named else 0
+    if not named and kv is not None and hasattr(kv, "get_kv_size_bytes") and getattr(kv, "size", 0):
+        total = kv.get_kv_size_bytes()  # (k bytes, v bytes) for MHA pools, one figure for others
+        total = sum(total) if isinstance(total, (tuple, list)) else total
+        per_token = int(total) // (kv.size + kv.page_size)  # SGLang pads the pool with one page
+    env = lambda name, default: int(os.environ.get(name, 0)) or default  # noqa: E731
+    return PauseSettings(
+        h2d_bytes_per_s=profile.h2d_bytes_per_s, d2h_bytes_per_s=profile.d2h_bytes_per_s,
+        prefill_tokens_per_s=profile.prefill_tokens_per_s, bytes_per_token=max(per_token, 1),
+        max_kept_branches=env(MAX_KEPT_BRANCHES_ENV, 16), max_kept_tokens=env(MAX_KEPT_TOKENS_ENV, pool_tokens // 2),
+        prefetch_budget_tokens=env(PREFETCH_TOKENS_ENV, max(pool_tokens // 8, 1)))
+
+
+@dataclass
+class PauseRecord:
+    branch: BranchKey
+    tool_class: str
+    placement: Placement
+    decision: PauseDecision | None
+    tokens: int  # the movable suffix when the pause began
+    prefetched_tokens: int = 0  # restored speculatively, not yet used by a request
+    prefetch_seconds: float = 0.0  # measured copy time of that restore (stats only)
+
+
+def _key_tokens(key) -> array:
+    return array("q", key.token_ids[: len(key)])
+
+
+class PauseBook:
+    """The scheduler's pause state for one cache (see the module docstring)."""
+
+    def __init__(self, cache, settings: PauseSettings, host: HostTier):
+        self.cache = cache
+        self.settings = settings
+        self.host = host
+        self.records: dict[BranchKey, PauseRecord] = {}
+        self.kept: dict[BranchKey, int] = {}  # pinned branch -> tokens pinned
+        self.counters = {"decisions": {a.value: 0 for a in PauseAction}, "forced": 0, "kept_clipped": 0,
+                         "offload_fallbacks": {"host_full": 0, "transfer_failed": 0},
+                         "restores": 0, "restored_tokens": 0,
+                         "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0},
+                         "deadline_releases": 0, "released_tokens": 0}
+        self.prefetch = {"issued": 0, "used": 0, "wasted": 0, "tokens_prefetched": 0, "tokens_used": 0,
+                         "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0,
+                         "saved_transfer_s": 0.0}
+        self._outcomes: dict[str, deque] = {}  # namespace -> recent prefetch outcomes (True = used)
+        self._refused_since_probe: dict[str, int] = {}
+        self.log: deque = deque(maxlen=256)  # recent decisions with their inputs, for /agentcache/stats
+
+    # ---- tree views ----
+
+    def _tip(self, branch: BranchKey):
+        """The deepest device-resident node ``branch`` owns (its path's end), or None."""
+        core = self.cache.tree_core
+        best, best_depth = None, -1
+        for node in core.owner_index.get(branch, ()):
+            if node.component_data[FULL].value is None or node.agent.terminated:
+                continue
+            depth, x = 0, node
+            while x is not core.root_node:
+                depth += len(x.key)
+                x = x.parent
+            if (depth, node.id) > (best_depth, -1 if best is None else best.id):
+                best, best_depth = node, depth
+        return best
+
+    def movable_suffix(self, branch: BranchKey) -> list:
+        """Top-down chain of the branch's own nodes at the end of its path that can leave the device."""
+        core = self.cache.tree_core
+        chain, node, below = [], self._tip(branch), None
+        while node is not None and node is not core.root_node:
+            data = node.component_data[FULL]
+            if node.agent.owner != branch or node.agent.terminated or data.value is None or data.lock_ref > 0:
+                break
+            if any(c is not below and c.component_data[FULL].value is not None for c in node.children.values()):
+                break
+            chain.append(node)
+            below, node = node, node.parent
+        return chain[::-1]
+
+    def _namespace_kept(self, namespace: str) -> tuple[int, int]:
+        mine = [t for b, t in self.kept.items() if b.namespace == namespace]
+        return len(mine), sum(mine)
+
+    # ---- pause ----
+
+    def inputs(self, branch: BranchKey, latency: LatencyDistribution, *, elapsed_s: float = 0.0,
+               deadline_s: float | None = None, priority: int = 0, resume_probability: float = 1.0,
+               prefetch_lead_s: float = 0.0) -> PauseInputs:
+        """The policy's inputs for ``branch`` now: tree facts plus the sender's clock-derived values."""
+        record = self.records.get(branch)
+        suffix = self.movable_suffix(branch)
+        tokens = sum(len(n.key) for n in suffix)
+        placement = Placement.DEVICE
+        previous = None
+        if record is not None:
+            placement = record.placement
+            if record.placement is Placement.HOST:
+                tokens = self.host.tokens_of(branch)
+            if record.decision is not None:
+                previous = Incumbent(record.decision.action, record.decision.cost)
+        allocator, s = self.cache.token_to_kv_pool_allocator, self.settings
+        return PauseInputs(
+            retained_tokens=tokens, bytes_per_token=s.bytes_per_token, latency=latency,
+            device_free_tokens=allocator.available_size(), device_evictable_tokens=self.cache.evictable_size(),
+            device_total_tokens=allocator.size, host_free_bytes=self.host.free_tokens() * s.bytes_per_token,
+            h2d_bandwidth_Bps=s.h2d_bytes_per_s, d2h_bandwidth_Bps=s.d2h_bytes_per_s,
+            prefill_tokens_per_s=s.prefill_tokens_per_s, elapsed_s=elapsed_s, deadline_s=deadline_s,
+            priority=priority, resume_probability=resume_probability, prefetch_lead_s=prefetch_lead_s,
+            placement=placement, previous=previous)
+
+    def pause(self, branch: BranchKey, latency: LatencyDistribution | None = None, *, tool_class: str = "default",
+              force: PauseAction | None = None, **inputs) -> dict:
+        """Decide and apply. ``force`` (baselines, tests) skips the policy; a pause of a branch that is
+        already paused re-evaluates it (hysteresis against the previous decision)."""
+        if branch in self.cache.closed:
+            return {"paused": False, "reason": "branch is closed"}
+        decision = None
+        if force is None:
+            if latency is None:
+                raise ValueError("pause needs a latency distribution unless the action is forced")
+            decision = decide(self.inputs(branch, latency, **inputs), self.settings.policy)
+            action = decision.action
+        else:
+            action = force
+            self.counters["forced"] += 1
+        record = self.records.get(branch)
+        placement = record.placement if record is not None else Placement.DEVICE
+        applied, moved = self._apply(branch, action, placement)
+        tokens = self.host.tokens_of(branch) if applied is PauseAction.OFFLOAD else moved
+        self.counters["decisions"][applied.value] += 1
+        if applied is PauseAction.RELEASE:
+            self.records.pop(branch, None)
+        else:
+            where = {PauseAction.KEEP: Placement.DEVICE, PauseAction.OFFLOAD: Placement.HOST,
+                     PauseAction.DISCARD: Placement.NONE}[applied]
+            self.records[branch] = PauseRecord(branch, tool_class, where, decision, tokens)
+        entry = {"branch": branch.to_dict(), "tool_class": tool_class, "action": applied.value,
+                 "decided": action.value, "forced": force is not None, "tokens": tokens,
+                 "reason": decision.reason if decision is not None else "forced"}
+        if decision is not None:
+            entry["costs"] = {o.action.value: o.cost for o in decision.options if o.feasible}
+            entry["inputs"] = {"retained_tokens": decision.inputs.retained_tokens,
+                               "device_free_tokens": decision.inputs.device_free_tokens,
+                               "device_evictable_tokens": decision.inputs.device_evictable_tokens,
+                               "host_free_bytes": decision.inputs.host_free_bytes,
+                               "latency_p50_s": decision.inputs.latency_p50_s,
+                               "latency_p99_s": decision.inputs.latency_p99_s,
+                               "deadline_s": decision.inputs.deadline_s, "priority": decision.inputs.priority}
+        self.log.append(entry)
+        logger.info("agentcache pause %s/%s (%s): %s", branch.session, branch.branch, tool_class,
+                    entry["reason"] if applied is action else f"{action.value} -> {applied.value}")
+        return {"paused": applied is not PauseAction.RELEASE} | entry
+
+    def _apply(self, branch: BranchKey, action: PauseAction, placement: Placement) -> tuple[PauseAction, int]:
+        """Carry out ``action``; returns the action actually applied (after caps and fallbacks) and
+        the tokens it concerned."""
+        if action is PauseAction.KEEP:
+            if placement is Placement.HOST:
+                if self._restore(branch) == 0:
+                    return self._apply(branch, PauseAction.DISCARD, Placement.NONE)
+            tokens = sum(len(n.key) for n in self.movable_suffix(branch))
+            count, pinned = self._namespace_kept(branch.namespace)
+            pinned -= self.kept.get(branch, 0)
+            count -= branch in self.kept
+            s = self.settings
+            if count + 1 > s.max_kept_branches or pinned + tokens > s.max_kept_tokens:
+                self.counters["kept_clipped"] += 1
+                logger.info("agentcache: keep of %s/%s clipped (%d kept branches, %d + %d tokens; caps %d, %d)",
+                            branch.session, branch.branch, count, pinned, tokens, s.max_kept_branches,
+                            s.max_kept_tokens)
+                return self._apply(branch, PauseAction.OFFLOAD, placement)
+            self.kept[branch] = tokens
+            return PauseAction.KEEP, tokens
+        self.kept.pop(branch, None)
+        if action is PauseAction.OFFLOAD:
+            if placement is Placement.HOST:
+                return PauseAction.OFFLOAD, self.host.tokens_of(branch)
+            moved = self._offload(branch)
+            if moved is None:
+                return self._apply(branch, PauseAction.DISCARD, placement)
+            return PauseAction.OFFLOAD, moved
+        freed = self.host.delete(branch) + self._discard(branch)
+        if action is PauseAction.RELEASE:
+            self.counters["released_tokens"] += freed
+        return action, freed
+
+    def _discard(self, branch: BranchKey) -> int:
+        core = self.cache.tree_core
+        return self.cache._evict_nodes(core.owner_index.get(branch, ()), budget=None)
+
+    def _offload(self, branch: BranchKey) -> int | None:
+        """Copy the movable suffix to host and free its device slots; None if it could not be stored."""
+        chain = self.movable_suffix(branch)
+        if not chain:
+            return 0
+        core = self.cache.tree_core
+        path, node = [], chain[-1]
+        while node is not core.root_node:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        tokens, segments, offset = array("q"), [], 0
+        first = path.index(chain[0])
+        for i, node in enumerate(path):
+            if i == first:
+                start = offset
+            if i >= first:
+                segments.append((offset, node.agent.copy()))
+            tokens.extend(_key_tokens(node.key))
+            offset += len(node.key)
+        indices = torch.cat([n.component_data[FULL].value for n in chain])
+        key = chain[-1].key
+        try:
+            entry = self.host.demote(branch, tokens, key.extra_key, key.cache_salt, start, segments, indices)
+        except TransferError as exc:
+            logger.warning("agentcache: offload of %s/%s failed, discarding instead: %s",
+                           branch.session, branch.branch, exc)
+            self.counters["offload_fallbacks"]["transfer_failed"] += 1
+            return None
+        if entry is None:
+            self.counters["offload_fallbacks"]["host_full"] += 1
+            return None
+        freed = self.cache._evict_nodes(chain, budget=None)
+        assert freed == entry.num_tokens, (freed, entry.num_tokens)
+        return freed
+
+    # ---- resume, prefetch, deadline, close ----
+
+    def _restore(self, branch: BranchKey) -> int:
+        """Bring ``branch``'s host copy back into the tree; returns tokens restored (0: recompute).
+        The host copy is deleted either way."""
+        entry = self.host.entries.get(branch)
+        if entry is None:
+            return 0
+        cache, core = self.cache, self.cache.tree_core
+        key = RadixKey(entry.tokens, entry.extra_key, cache_salt=entry.cache_salt)
+        match = cache.match_prefix(MatchPrefixParams(key=key))
+        have = match.device_prefix_len
+        if have < entry.start:
+            self.counters["restore_failures"]["gap"] += 1
+            self.host.delete(branch)
+            return 0
+        if have >= entry.end:
+            self.host.delete(branch)
+            return 0
+        n = entry.num_tokens
+        allocator = cache.token_to_kv_pool_allocator
+        lock = cache.lock(match.last_device_node)  # the prefix we hang from must survive the eviction
+        try:
+            if allocator.available_size() < n:
+                cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            new = allocator.alloc(n) if allocator.available_size() >= n else None
+        finally:
+            cache.unlock(lock)
+        if new is None:
+            self.counters["restore_failures"]["no_room"] += 1
+            self.host.delete(branch)
+            return 0
+        try:
+            self.host.promote(entry, new)
+        except TransferError as exc:
+            logger.warning("agentcache: restore of %s/%s failed, recomputing: %s", branch.session, branch.branch, exc)
+            allocator.free(new)
+            self.counters["restore_failures"]["transfer_failed"] += 1
+            self.host.delete(branch)
+            return 0
+        prefix = cache.path_device_indices(match.last_device_node)[: entry.start]
+        core.insert_state = entry.state_at(entry.start)
+        try:
+            result = cache.insert(InsertParams(key=key, value=torch.cat([prefix.to(new.dtype), new]),
+                                               prev_prefix_len=entry.start))
+        finally:
+            core.insert_state = None
+        fresh = core.take_fresh()
+        bounds = [s for s, _ in entry.segments[1:]]
+        cache.classify_created(result.last_device_node, fresh, bounds,
+                               lambda node, start: core.set_state(node, entry.state_at(start)))
+        self.host.delete(branch)
+        restored = entry.end - max(result.prefix_len, entry.start)
+        self.counters["restores"] += 1
+        self.counters["restored_tokens"] += restored
+        return restored
+
+    def resume(self, branch: BranchKey) -> dict:
+        """The tool returned (route) or the branch's next request arrived: unpin or restore."""
+        record = self.records.pop(branch, None)
+        if record is None:
+            return {"resumed": False, "reason": "branch is not paused"}
+        self.kept.pop(branch, None)
+        restored = self._restore(branch) if record.placement is Placement.HOST else 0
+        if record.prefetched_tokens:
+            self._prefetch_outcome(branch, record)
+        return {"resumed": True, "placement": record.placement.value, "restored_tokens": restored,
+                "prefetched_tokens": record.prefetched_tokens}
+
+    def prefetch_branch(self, branch: BranchKey) -> dict:
+        """"Tool nearly done": restore now, ahead of the request, within the namespace's speculative budget."""
+        record = self.records.get(branch)
+        if record is None or record.placement is not Placement.HOST:
+            self.prefetch["refused_nothing"] += 1
+            return {"prefetched": False, "reason": "nothing on host for this branch"}
+        ns = branch.namespace
+        if not self._prefetch_enabled(ns):
+            self.prefetch["refused_disabled"] += 1
+            return {"prefetched": False, "reason": "prefetch is off for this namespace (precision below "
+                                                     f"{self.settings.prefetch_min_precision})"}
+        pending = sum(r.prefetched_tokens for b, r in self.records.items() if b.namespace == ns)
+        need = self.host.tokens_of(branch)
+        if pending + need > self.settings.prefetch_budget_tokens:
+            self.prefetch["refused_budget"] += 1
+            return {"prefetched": False, "reason": f"speculative budget: {pending} + {need} > "
+                                                     f"{self.settings.prefetch_budget_tokens} tokens"}
+        before = self.host.promotes.seconds
+        restored = self._restore(branch)
+        record.placement = Placement.DEVICE if restored else Placement.NONE
+        record.prefetched_tokens = restored
+        record.prefetch_seconds = self.host.promotes.seconds - before
+        self.prefetch["issued"] += 1
+        self.prefetch["tokens_prefetched"] += restored
+        return {"prefetched": restored > 0, "restored_tokens": restored}
+
+    def _prefetch_enabled(self, ns: str) -> bool:
+        outcomes = self._outcomes.get(ns)
+        if outcomes is None or len(outcomes) < self.settings.prefetch_window // 4:
+            return True
+        if sum(outcomes) / len(outcomes) >= self.settings.prefetch_min_precision:
+            return True
+        n = self._refused_since_probe.get(ns, 0) + 1
+        self._refused_since_probe[ns] = n % self.settings.prefetch_probe_every
+        return n % self.settings.prefetch_probe_every == 0  # a probe, so prefetch can turn back on
+
+    def _prefetch_outcome(self, branch: BranchKey, record: PauseRecord, used: bool | None = None) -> None:
+        if used is None:  # used iff the prefetched tokens are still on device when the request comes
+            used = sum(len(n.key) for n in self.cache.tree_core.owner_index.get(branch, ())
+                       if n.component_data[FULL].value is not None) >= record.prefetched_tokens
+        kind = "used" if used else "wasted"
+        self.prefetch[kind] += 1
+        self.prefetch[f"tokens_{kind}"] += record.prefetched_tokens
+        if used:
+            self.prefetch["saved_transfer_s"] += record.prefetch_seconds
+        window = self._outcomes.setdefault(branch.namespace, deque(maxlen=self.settings.prefetch_window))
+        window.append(used)
+        record.prefetched_tokens = 0
+
+    def expire(self, branch: BranchKey) -> dict:
+        """The deadline passed (or the server's maximum retention): release on every tier."""
+        record = self.records.get(branch)
+        if record is None:
+            return {"expired": False, "reason": "branch is not paused"}
+        if record.prefetched_tokens:
+            self._prefetch_outcome(branch, record, used=False)
+        _, freed = self._apply(branch, PauseAction.RELEASE, record.placement)
+        self.records.pop(branch, None)
+        self.counters["deadline_releases"] += 1
+        return {"expired": True, "freed_tokens": freed}
+
+    def forget(self, branch: BranchKey) -> int:
+        """The branch closed: drop its pause state and host copy (device nodes go with the close)."""
+        record = self.records.pop(branch, None)
+        if record is not None and record.prefetched_tokens:
+            self._prefetch_outcome(branch, record, used=False)
+        self.kept.pop(branch, None)
+        return self.host.delete(branch)
+
+    # ---- views ----
+
+    def stats(self) -> dict:
+        by_place = {p.value: 0 for p in Placement}
+        for r in self.records.values():
+            by_place[r.placement.value] += 1
+        prefetch = dict(self.prefetch)
+        judged = prefetch["used"] + prefetch["wasted"]
+        prefetch["precision"] = prefetch["used"] / judged if judged else None
+        return {"paused_branches": len(self.records), "paused_by_placement": by_place,
+                "kept_branches": len(self.kept), "kept_tokens": sum(self.kept.values()),
+                "host": self.host.stats(), "prefetch": prefetch, **self.counters,
+                "settings": {"bytes_per_token": self.settings.bytes_per_token,
+                             "h2d_bytes_per_s": self.settings.h2d_bytes_per_s,
+                             "d2h_bytes_per_s": self.settings.d2h_bytes_per_s,
+                             "prefill_tokens_per_s": self.settings.prefill_tokens_per_s,
+                             "max_kept_branches": self.settings.max_kept_branches,
+                             "max_kept_tokens": self.settings.max_kept_tokens,
+                             "prefetch_budget_tokens": self.settings.prefetch_budget_tokens},
+                "recent_decisions": list(self.log)[-16:]}
+
+
+def host_capacity_tokens(pool_tokens: int) -> int:
+    return int(os.environ.get(HOST_TOKENS_ENV, 0)) or 4 * pool_tokens
+
+
+__all__ = ["PauseBook", "PauseRecord", "PauseSettings", "default_settings", "host_capacity_tokens"]

@@ -1,0 +1,284 @@
+"""Tool pauses on the real cache (offline driver, SGLang's CPU pools): keep / offload / discard /
+release, the host tier's byte-exact round trip, caps, prefetch accounting and every fault path.
+
+Each test ends with the integrity check and a leak check: device free + cached == pool, the host tier
+holds exactly what the pause book says, and nothing a closed or released branch owned remains.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sgl_agentcache.hints import lifecycle_envelope
+from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.policy.distributions import LogNormal, PointMass
+from sgl_agentcache.policy.pause import PauseAction
+from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+
+NS = namespace_key(None, None)
+STABLE = 32
+
+
+def hint(session: str, branch: str = "main", **extra) -> dict:
+    return {"session": session, "branch": branch, "stable_prefix_tokens": STABLE, **extra}
+
+
+class Harness:
+    def __init__(self, pool_tokens: int = 1024, page_size: int = 1, **settings):
+        self.cache = build_offline_cache(pool_tokens=pool_tokens, page_size=page_size)
+        for name, value in settings.items():
+            setattr(self.cache.pauses.settings, name, value)
+        self.driver = OfflineDriver(self.cache)
+        self.kv = self.cache.token_to_kv_pool_allocator.get_kvcache()
+        self.n = 0
+
+    def turn(self, session: str, prompt: list[int], out: list[int], branch: str = "main", stamp: float | None = None,
+             capture: int = 0, **extra):
+        """One call: admit, (optionally) stamp its KV with recognisable values, decode ``out``, finish.
+        ``capture``: keep the KV of the first ``capture`` prompt tokens as admitted (``req.captured``)."""
+        self.n += 1
+        req = self.driver.admit(f"r{self.n}", prompt, kv_hints=lifecycle_envelope(hint(session, branch, **extra),
+                                                                                  message_id=f"m{self.n}"))
+        if stamp is not None:
+            idx = self.driver.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(prompt)]
+            for buf in self.kv.k_buffer + self.kv.v_buffer:
+                buf[idx] = (torch.arange(len(prompt), dtype=buf.dtype) + stamp).view(-1, 1, 1)
+        if capture:
+            req.captured = self.kv_of(req, capture)
+        self.driver.extend(req, out)
+        self.driver.finish(req)
+        return req
+
+    def kv_of(self, req, n: int) -> list[torch.Tensor]:
+        idx = self.driver.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
+        return [buf[idx].flatten().clone() for buf in self.kv.k_buffer + self.kv.v_buffer]
+
+    def pause(self, session: str, branch: str = "main", **kwargs) -> dict:
+        with self.driver.activated():
+            return self.cache.pauses.pause(BranchKey(NS, session, branch), **kwargs)
+
+    def call(self, method: str, session: str, branch: str = "main") -> dict:
+        with self.driver.activated():
+            return getattr(self.cache.pauses, method)(BranchKey(NS, session, branch))
+
+    def assert_clean(self) -> None:
+        report = self.driver.check()
+        assert report.ok, report
+        host = self.cache.pauses.host
+        assert host.used_tokens == sum(e.num_tokens for e in host.entries.values())
+        assert set(host.entries) <= set(self.cache.pauses.records)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """``n`` token ids in [3, 400), a different sequence for every seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 400) for _ in range(n)]
+
+
+def test_offload_frees_device_and_restore_is_byte_exact():
+    h = Harness()
+    prompt = ids(0, 300)
+    first = h.turn("s", prompt, [7, 8, 9], stamp=1000.0)
+    resident = h.cache.resident_tokens_by_class()
+    free_before = h.driver.free_tokens()
+    result = h.pause("s", force=PauseAction.OFFLOAD)
+    moved = 300 + 2 - STABLE  # the prompt and the outputs with KV, past the shared stable prefix
+    assert result["action"] == "offload" and result["tokens"] == moved
+    assert h.driver.free_tokens() == free_before + moved
+    assert h.cache.resident_tokens_by_class()["session"] == resident["session"] - moved
+    assert h.cache.pauses.host.used_tokens == moved and h.cache.pauses.host.used_bytes > 0
+    h.assert_clean()
+
+    second = h.turn("s", prompt + [7, 8, 9] + ids(500, 20), [11], capture=300)  # the tool returned
+    assert second.cached_tokens == 300 + 2  # the whole retained prefix, restored from host
+    assert len(second.captured) == 2  # K and V of the one layer, each exactly as written before the pause
+    assert all(torch.equal(kv, torch.arange(300.0) + 1000.0) for kv in second.captured)
+    assert h.cache.pauses.host.used_tokens == 0 and not h.cache.pauses.records
+    assert h.cache.pauses.counters["restores"] == 1
+    assert h.cache.resident_tokens_by_class()["session"] >= resident["session"]
+    del first
+    h.assert_clean()
+
+
+def test_paged_pool_round_trip():
+    h = Harness(page_size=4)
+    prompt = ids(3, 203)
+    h.turn("p", prompt, [5, 6])
+    result = h.pause("p", force=PauseAction.OFFLOAD)
+    assert result["tokens"] % 4 == 0 and result["tokens"] > 0
+    again = h.turn("p", prompt + [5, 6] + ids(900, 9), [1])
+    assert again.cached_tokens == (203 + 1) // 4 * 4
+    h.assert_clean()
+
+
+def test_discard_frees_now_and_the_next_call_recomputes():
+    h = Harness()
+    prompt = ids(10, 250)
+    h.turn("d", prompt, [4, 5])
+    result = h.pause("d", force=PauseAction.DISCARD)
+    assert result["action"] == "discard" and result["tokens"] == 250 + 1 - STABLE
+    assert h.cache.tree_core.owned_tokens(BranchKey(NS, "d", "main")) == 0
+    again = h.turn("d", prompt + [4, 5], [6])
+    assert again.cached_tokens == STABLE
+    h.assert_clean()
+
+
+def test_keep_pins_the_branch_above_everything_unpinned():
+    h = Harness(pool_tokens=1024)
+    kept_prompt = ids(20, 300)
+    h.turn("k", kept_prompt, [3, 4])
+    assert h.pause("k", force=PauseAction.KEEP)["action"] == "keep"
+    for i in range(6):  # unrelated sessions, each with its own stable prefix, fill the pool many times
+        h.turn(f"other{i}", ids(1000 + 97 * i, 300), [9], stable_prefix_tokens=300)
+    again = h.turn("k", kept_prompt + [3, 4], [5])
+    assert again.cached_tokens == 300 + 1  # still all there: pinned above stable prefixes
+    assert not h.cache.pauses.kept  # the request resumed it: unpinned
+    h.assert_clean()
+
+
+def test_keep_beyond_the_namespace_cap_is_clipped_to_offload():
+    h = Harness(max_kept_branches=1)
+    h.turn("a", ids(0, 200), [3])
+    h.turn("b", ids(300, 200), [3])
+    assert h.pause("a", force=PauseAction.KEEP)["action"] == "keep"
+    clipped = h.pause("b", force=PauseAction.KEEP)
+    assert clipped["decided"] == "keep" and clipped["action"] == "offload"
+    assert h.cache.pauses.counters["kept_clipped"] == 1
+    h.assert_clean()
+
+
+def test_policy_keeps_a_short_tool_and_offloads_a_long_tailed_one():
+    h = Harness(bytes_per_token=36 * 1024)  # priced as the seed's 36 KiB/token model
+    h.turn("fast", ids(0, 300), [3])
+    h.turn("slow", ids(400, 300), [3])
+    fast = h.pause("fast", latency=PointMass(0.05), tool_class="grep")
+    slow = h.pause("slow", latency=LogNormal(60.0, 1.5), tool_class="ci_run")
+    assert fast["action"] == "keep", fast
+    assert slow["action"] == "offload", slow
+    assert set(slow["costs"]) == {"keep", "offload", "discard"} and slow["inputs"]["retained_tokens"] > 0
+    assert h.cache.pauses.counters["decisions"]["keep"] == 1
+    h.assert_clean()
+
+
+def test_release_below_min_tokens_and_expire_releases_every_tier():
+    h = Harness()
+    h.turn("tiny", ids(0, STABLE + 40), [3])
+    assert h.pause("tiny", latency=LogNormal(5.0, 1.0))["action"] == "release"  # 41 tokens < min_tokens
+
+    h.turn("e", ids(100, 300), [3])
+    h.pause("e", force=PauseAction.OFFLOAD)
+    assert h.cache.pauses.host.used_tokens > 0
+    result = h.call("expire", "e")
+    assert result["expired"] and result["freed_tokens"] > 0
+    assert h.cache.pauses.host.used_tokens == 0 and not h.cache.pauses.records
+    assert h.cache.tree_core.owned_tokens(BranchKey(NS, "e", "main")) == 0
+    assert h.cache.pauses.counters["deadline_releases"] == 1
+    assert h.call("expire", "e")["expired"] is False  # idempotent
+    h.assert_clean()
+
+
+def test_close_deletes_the_host_copy():
+    h = Harness()
+    h.turn("c", ids(0, 300), [3])
+    h.pause("c", force=PauseAction.OFFLOAD)
+    with h.driver.activated():
+        closed = h.cache.close_branch(BranchKey(NS, "c", "main"))
+    assert closed["host_freed_tokens"] > 0
+    assert h.cache.pauses.host.used_tokens == 0 and not h.cache.pauses.records
+    assert h.pause("c", force=PauseAction.OFFLOAD)["paused"] is False  # closed stays closed
+    h.assert_clean()
+
+
+def test_host_full_falls_back_to_discard():
+    h = Harness()
+    h.cache.pauses.host.capacity_tokens = 100
+    h.turn("f", ids(0, 300), [3])
+    result = h.pause("f", force=PauseAction.OFFLOAD)
+    assert result["decided"] == "offload" and result["action"] == "discard"
+    assert h.cache.pauses.counters["offload_fallbacks"]["host_full"] == 1
+    assert h.cache.pauses.host.used_tokens == 0
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("kind", ["demote", "promote"])
+def test_failed_transfers_fall_back_to_recompute(kind):
+    h = Harness()
+    prompt = ids(0, 300)
+    h.turn("x", prompt, [3])
+    h.cache.pauses.host.fail_next(kind)
+    result = h.pause("x", force=PauseAction.OFFLOAD)
+    again = h.turn("x", prompt + [3], [4])
+    assert again.cached_tokens == STABLE  # recomputed, correctly
+    if kind == "demote":
+        assert result["action"] == "discard"
+        assert h.cache.pauses.counters["offload_fallbacks"]["transfer_failed"] == 1
+    else:
+        assert result["action"] == "offload"
+        assert h.cache.pauses.counters["restore_failures"]["transfer_failed"] == 1
+    assert h.cache.pauses.host.used_tokens == 0
+    h.assert_clean()
+
+
+def test_restore_with_its_prefix_gone_recomputes():
+    h = Harness(pool_tokens=1024)
+    prompt = ids(0, 300)
+    h.turn("g", prompt, [3])
+    h.pause("g", force=PauseAction.OFFLOAD)
+    with h.driver.activated():  # the stable prefix the suffix hangs from is evicted meanwhile
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        h.cache.evict(EvictParams(num_tokens=1024))
+    again = h.turn("g", prompt + [3], [4])
+    assert again.cached_tokens == 0
+    assert h.cache.pauses.counters["restore_failures"]["gap"] == 1
+    h.assert_clean()
+
+
+def test_prefetch_used_wasted_budget_and_auto_off():
+    h = Harness(prefetch_budget_tokens=400, prefetch_window=8, prefetch_probe_every=4)
+    prompt = ids(0, 300)
+    h.turn("u", prompt, [3])
+    h.pause("u", force=PauseAction.OFFLOAD)
+    assert h.call("prefetch_branch", "u")["prefetched"] is True
+    used = h.turn("u", prompt + [3], [4])
+    assert used.cached_tokens == 300
+    assert h.cache.pauses.prefetch["used"] == 1
+
+    # Over budget: two branches' prefetches together exceed 400 unused speculative tokens.
+    for s in ("v", "w"):
+        h.turn(s, ids(500 if s == "v" else 800, 300), [3])
+        h.pause(s, force=PauseAction.OFFLOAD)
+    assert h.call("prefetch_branch", "v")["prefetched"] is True
+    assert "budget" in h.call("prefetch_branch", "w")["reason"]
+    h.call("expire", "v")  # the tool never came back: the prefetch was wasted
+    assert h.cache.pauses.prefetch["wasted"] == 1
+    assert h.call("prefetch_branch", "nobody")["prefetched"] is False
+
+    # Precision collapses: after enough wasted prefetches, prefetch turns itself off, except for
+    # every probe_every-th attempt (a probe, so that it can turn back on).
+    issued = h.cache.pauses.prefetch["issued"]
+    for i in range(8):
+        h.turn(f"z{i}", ids(1100 + 50 * i, 200), [3])
+        h.pause(f"z{i}", force=PauseAction.OFFLOAD)
+        h.call("prefetch_branch", f"z{i}")
+        h.call("expire", f"z{i}")
+    refused = h.cache.pauses.prefetch["refused_disabled"]
+    assert refused >= 5 and h.cache.pauses.prefetch["issued"] - issued == 8 - refused
+    assert h.cache.agent_stats()["pauses"]["prefetch"]["precision"] < 0.5
+    h.assert_clean()
+
+
+def test_repeated_pause_is_held_by_hysteresis_and_stats_report_it():
+    h = Harness(bytes_per_token=36 * 1024)
+    h.turn("h", ids(0, 300), [3])
+    first = h.pause("h", latency=LogNormal(60.0, 1.5))
+    second = h.pause("h", latency=LogNormal(60.0, 1.5))
+    assert first["action"] == second["action"] == "offload"
+    stats = h.cache.agent_stats()["pauses"]
+    assert stats["paused_branches"] == 1 and stats["paused_by_placement"]["host"] == 1
+    assert stats["host"]["demote"]["count"] == 1  # the second evaluation moved nothing
+    assert stats["recent_decisions"][-1]["action"] == "offload"
+    h.assert_clean()

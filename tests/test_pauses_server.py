@@ -1,0 +1,161 @@
+"""Tool pauses on a real SGLang server (CPU): offload and restore move real KV bytes, greedy output is
+identical to a run that never paused, short tools are kept, deadlines release every tier, and
+injected transfer faults fall back to recompute without leaking anything.
+
+The shared server prices decisions as the seed's 36 KiB/token deployment and has operator priors for
+the ``grep`` (~20 ms) and ``ci_run`` (~1 min, long tail) tool classes (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from sgl_agentcache.hints import lifecycle_envelope
+
+pytestmark = pytest.mark.server
+
+STABLE = 32
+
+
+def _gen(server, ids, session, *, extra_key, max_new_tokens=6):
+    body = {"input_ids": ids, "extra_key": extra_key,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "kv_hints": lifecycle_envelope({"session": session, "stable_prefix_tokens": STABLE},
+                                           message_id=f"m-{time.monotonic_ns()}")}
+    out = server.generate(body)
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+
+def _post(server, path, body):
+    return server.request("POST", path, body)
+
+
+def _stats(server):
+    status, stats = server.request("GET", "/agentcache/stats")
+    assert status == 200
+    return stats
+
+
+def _check(server):
+    status, report = server.request("GET", "/agentcache/check")
+    assert status == 200 and report["ok"], report
+
+
+def _conversation(server, tokens, session, extra_key, pause_body=None, after_pause=None):
+    """Turn 1, an optional pause (and hook), turn 2 whose prompt extends turn 1 with a tool result."""
+    prompt = tokens.ids(300)
+    tool_result = tokens.ids(40)
+    out1, _ = _gen(server, prompt, session, extra_key=extra_key)
+    paused = None
+    if pause_body is not None:
+        status, paused = _post(server, "/agentcache/pause", {"session": session, "extra_key": extra_key,
+                                                             **pause_body})
+        assert status == 200, paused
+        if after_pause is not None:
+            after_pause(paused)
+    out2, cached2 = _gen(server, prompt + out1 + tool_result, session, extra_key=extra_key)
+    return out1, out2, cached2, paused
+
+
+def test_long_tailed_tool_is_offloaded_and_restored_exactly(server, tokens):
+    seen = {}
+
+    def after_pause(paused):
+        stats = _stats(server)
+        seen["host"] = stats["pauses"]["host"]["used_tokens"]
+        seen["resident"] = stats["resident_tokens"]
+
+    reference = _conversation(server, tokens.__class__(tokens.vocab_size, seed=7), "ref", "ref-ns")
+    before = _stats(server)
+    out1, out2, cached2, paused = _conversation(
+        server, tokens.__class__(tokens.vocab_size, seed=7), "tool", "tool-ns",
+        pause_body={"tool_class": "ci_run"}, after_pause=after_pause)
+    assert paused["action"] == "offload", paused
+    retained = paused["tokens"]
+    assert retained >= 300 - STABLE
+    assert seen["host"] == before["pauses"]["host"]["used_tokens"] + retained  # on host...
+    assert "offload" in paused["costs"] and paused["inputs"]["latency_p50_s"] > 10
+    # ...and off the device: the session class lost exactly the retained tokens while paused.
+    assert seen["resident"]["session"] <= before["resident_tokens"]["session"] + STABLE
+    assert cached2 == STABLE + retained  # turn 2 hit the whole retained prefix, restored from host
+    assert (out1, out2) == reference[:2]  # greedy output identical to the run that never paused
+    after = _stats(server)
+    assert after["pauses"]["restores"] >= 1 and after["pauses"]["host"]["used_tokens"] == 0
+    _check(server)
+    events = [json.loads(line) for line in server.event_log.read_text().splitlines()]
+    assert any(e["state"] == "tool_wait" and e["session"] == "tool" and e["action"] == "offload" for e in events)
+    assert any(e["state"] == "restoring" and e["session"] == "tool" for e in events)
+
+
+def test_short_tool_is_kept(server, tokens):
+    def after_pause(paused):
+        assert _stats(server)["pauses"]["kept_branches"] >= 1
+
+    _, _, cached2, paused = _conversation(server, tokens, "fast", "fast-ns", pause_body={"tool_class": "grep"},
+                                          after_pause=after_pause)
+    assert paused["action"] == "keep", paused
+    assert cached2 >= 300
+    _check(server)
+
+
+def test_passed_deadline_releases_every_tier(server, tokens):
+    prompt = tokens.ids(300)
+    _gen(server, prompt, "dl", extra_key="dl-ns")
+    status, paused = _post(server, "/agentcache/pause", {"session": "dl", "extra_key": "dl-ns",
+                                                         "tool_class": "ci_run", "deadline_ms": 4000})
+    # A ci_run returns within 4 s with p ~ 0.04: worth a host copy, not device memory.
+    assert status == 200 and paused["action"] == "offload" and paused["deadline_s"] == 4.0
+    host_during = _stats(server)["pauses"]["host"]["used_tokens"]
+    assert host_during >= paused["tokens"]
+    time.sleep(5.5)
+    stats = _stats(server)
+    assert stats["pauses"]["host"]["used_tokens"] == host_during - paused["tokens"]
+    assert stats["pauses"]["deadline_releases"] >= 1 and stats["coordinator"]["deadline_expiries"] >= 1
+    mine = [b for b in stats["branches"] if b["session"] == "dl"]
+    assert all(b["owned_tokens"] == 0 for b in mine)
+    _, cached = _gen(server, prompt, "dl", extra_key="dl-ns")
+    assert cached == STABLE  # recomputed after the release
+    _check(server)
+
+
+@pytest.mark.parametrize("kind", ["demote", "promote"])
+def test_failed_transfer_falls_back_to_recompute(server, tokens, kind):
+    status, armed = _post(server, "/agentcache/fault", {"kind": kind, "count": 1})
+    assert status == 200, armed
+    before = _stats(server)["pauses"]
+    session = f"fault-{kind}"
+    _, _, cached2, paused = _conversation(server, tokens, session, f"{session}-ns", pause_body={"tool_class": "ci_run"})
+    after = _stats(server)["pauses"]
+    assert cached2 == STABLE
+    if kind == "demote":
+        assert paused["action"] == "discard"
+        assert after["offload_fallbacks"]["transfer_failed"] == before["offload_fallbacks"]["transfer_failed"] + 1
+    else:
+        assert after["restore_failures"]["transfer_failed"] == before["restore_failures"]["transfer_failed"] + 1
+    assert after["host"]["used_tokens"] == before["host"]["used_tokens"]
+    _check(server)
+
+
+def test_pause_routes_reject_bad_input_and_change_nothing(server, tokens):
+    before = _stats(server)["pauses"]
+    for body in ({"session": "never-seen"}, ):
+        status, out = _post(server, "/agentcache/pause", body)
+        assert status == 404 and "unknown branch" in out["error"]
+    for path, body in (("/agentcache/pause", {"session": "x", "deadline_ms": -5}),
+                       ("/agentcache/pause", {"session": "x", "tool_class": "a b"}),
+                       ("/agentcache/pause", {"session": "x", "retained_tokens": 10**9}),
+                       ("/agentcache/pause", {"session": "x", "priority": 10**6}),
+                       ("/agentcache/prefetch", {"session": "x", "expected_remaining_ms": "soon"}),
+                       ("/agentcache/resume", {"branch": "no-session"})):
+        status, out = _post(server, path, body)
+        assert status == 400, (path, body, out)
+    status, out = _post(server, "/agentcache/prefetch", {"session": "never-seen"})
+    assert status == 404
+    status, out = _post(server, "/agentcache/resume", {"session": "never-seen"})
+    assert status == 200 and out["resumed"] is False
+    after = _stats(server)["pauses"]
+    for key in ("paused_branches", "decisions", "host", "kept_branches"):
+        assert after[key] == before[key], key
