@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast demo demo-server bench clean
 
 ## setup: CPU dev/test virtualenv (CPU torch, sglang==0.5.23, exact lock, CPU shims, this package editable).
 ##        Reused while requirements/cpu-lock.txt, pyproject.toml, the shims and the script are unchanged.
@@ -18,9 +18,22 @@ test: setup
 test-fast: setup
 	SGLANG_USE_CPU_ENGINE=1 $(PY) -m pytest -m "not server and not engine" $(PYTEST_ARGS)
 
-## demo: start SGLang on CPU with the agentcache backend and run a forked agent program.
+## demo: the replay suite (every policy x workload, two pressure points) on CPU in a few minutes;
+##       prints the tables and writes results.json and the plots to $(DEMO_OUT).
+DEMO_OUT ?= demo-report
 demo: setup
+	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --quick --out $(DEMO_OUT)
+
+## demo-server: start SGLang on CPU with the agentcache backend and run a forked agent program.
+demo-server: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache demo
 
+## bench: regenerate the committed results under bench/results/ (replay suite over 3 seeds, tree
+##        overhead, real-server recomputation). CPU only; see bench/README.md.
+bench: setup
+	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --seeds 1,2,3 --scale 0.1 --out bench/results/replay
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_OUT)

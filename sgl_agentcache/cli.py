@@ -55,36 +55,9 @@ def _trace_stats(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import json
-    import os
+    from sgl_agentcache.sim.console import run
 
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    from rich.console import Console
-    from rich.table import Table
-
-    from sgl_agentcache.sim.cost import PROFILES
-    from sgl_agentcache.sim.replay import POLICIES, replay
-    from sgl_agentcache.trace.generators import generate
-    from sgl_agentcache.trace.schema import load
-
-    trace = load(args.trace) if args.trace else generate(args.workload, seed=args.seed, scale=args.scale)
-    results = [replay(trace, policy, pool_tokens=args.pool_tokens, profile=PROFILES[args.profile])
-               for policy in POLICIES]
-    base = results[0]
-    table = Table(title=f"replay: {trace.header.name}, {args.pool_tokens}-token pool, profile {args.profile}")
-    for col in ("policy", "requests", "hit rate", "recomputed", "vs stock", "resume p50/p95/p99 s", "leaked"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
-    for r in results:
-        q = r.resume_quantiles()
-        table.add_row(r.policy, str(r.requests), f"{r.hit_rate:.3f}", str(r.recomputed_tokens),
-                      f"{r.recomputed_tokens / max(base.recomputed_tokens, 1):.2f}x",
-                      f"{q['p50']:.2f}/{q['p95']:.2f}/{q['p99']:.2f}", "-" if r.leaked_tokens is None else str(r.leaked_tokens))
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"trace": trace.header.name, "pool_tokens": args.pool_tokens, "profile": args.profile,
-                       "results": [r.to_dict() for r in results]}, fh, indent=1)
-    return 0 if all(r.integrity_ok for r in results) else 1
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,14 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=4)
     demo.set_defaults(func=_demo)
 
-    rp = sub.add_parser("replay", help="replay a trace through the real cache code: stock vs agentcache")
-    rp.add_argument("--trace", help="a trace file; default: generate --workload")
-    rp.add_argument("--workload", default="branch_heavy")
-    rp.add_argument("--seed", type=int, default=0)
-    rp.add_argument("--scale", type=float, default=0.25)
-    rp.add_argument("--pool-tokens", type=int, default=16384)
-    rp.add_argument("--profile", default="seed")
-    rp.add_argument("--json", help="also write the results as JSON here")
+    rp = sub.add_parser("replay", help="replay traces through the real cache code: ours vs baselines B0-B6")
+    from sgl_agentcache.sim.console import add_arguments  # argparse only: cheap at parse time
+
+    add_arguments(rp)
     rp.set_defaults(func=_replay)
 
     trace = sub.add_parser("trace", help="agent-trajectory traces: generate, import, inspect").add_subparsers(

@@ -276,6 +276,8 @@ def parse_route_body(body: bytes, kind: type):
         return msgspec.json.decode(body, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise HintError(f"invalid request body: {exc}") from None
+    except UnicodeDecodeError as exc:  # invalid UTF-8 inside a JSON string
+        raise HintError(f"invalid request body: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 def insert_plan(hint: LifecycleHint | None, namespace: str, closed) -> InsertPlan:

@@ -65,19 +65,27 @@ def untagged() -> NodeState:
     return NodeState()
 
 
+#: The one state every node is born with (shared: node states are replaced, never edited in place).
+UNTAGGED_STATE = NodeState()
+
+
 #: Retention value of a node whose branch is paused on a tool call with a KEEP decision (pinned).
 KEPT_VALUE = 4
 
 
-def eviction_rank(state: NodeState, session_ref: int, last_access: float, kept: bool = False) -> tuple:
+def eviction_rank(state: NodeState, session_ref: int, last_access: float, kept: bool = False,
+                  anchor: bool = False) -> tuple:
     """Sort key for eviction; the smallest leaf is evicted first.
 
     Lifecycle value first (terminated < scratch = untagged < session < stable < kept: a branch paused
     with a KEEP decision), then SGLang's session-radix references (unreferenced before referenced,
     fewer before more; all 0 without ``--enable-session-radix-cache``), then recency. Untagged traffic
-    therefore keeps stock LRU order.
+    therefore keeps stock LRU order. An ``anchor`` -- the node an offloaded branch's host copy hangs
+    from -- is worth at least a stable prefix: without it the host copy cannot be restored.
     """
     value = 0 if state.terminated else KEPT_VALUE if kept else RETENTION_VALUE[state.cls]
+    if anchor and not state.terminated:
+        value = max(value, RETENTION_VALUE[NodeClass.STABLE])
     return (value, session_ref > 0, session_ref, last_access)
 
 

@@ -70,6 +70,8 @@ class Harness:
         host = self.cache.pauses.host
         assert host.used_tokens == sum(e.num_tokens for e in host.entries.values())
         assert set(host.entries) <= set(self.cache.pauses.records)
+        anchored = sum(1 for e in host.entries.values() if e.anchor is not None)
+        assert sum(self.cache.pauses.anchors.values()) == anchored  # every anchor belongs to a live copy
 
 
 def ids(seed: int, n: int) -> list[int]:

@@ -260,7 +260,8 @@ class TreeMachine(RuleBasedStateMachine):
         envelope = lifecycle_envelope(hint, message_id=rid) if hint is not None else None
         own = live_fields["own"]
         parent = live_fields["parent"]
-        refused = parent is not None and (parent in self.closed or parent not in self.seen)
+        # Only a new fork needs a live parent; a running subagent outlives its lead's close.
+        refused = parent is not None and own not in self.seen and (parent in self.closed or parent not in self.seen)
         kind = "untagged" if own is None else "fork" if parent is not None else "root"
         leaves_before = self._terminated_leaves()
         try:

@@ -64,12 +64,12 @@ def _depth(core, node) -> int:
 class _LifecycleStrategy:
     """``EvictionStrategy`` for components other than FULL (no session references there)."""
 
-    def __init__(self, base, kept):
+    def __init__(self, cache, base):
+        self.cache = cache
         self.base = base
-        self.kept = kept  # the pause book's pinned branches (a live dict)
 
     def get_priority(self, node):
-        return eviction_rank(node.agent, 0, self.base.get_priority(node), node.agent.owner in self.kept)
+        return self.cache.eviction_key(node, 0, self.base.get_priority(node))
 
 
 class AgentRadixCache(UnifiedRadixCache):
@@ -94,13 +94,41 @@ class AgentRadixCache(UnifiedRadixCache):
         self.context_edit_freed_tokens = 0
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
-        kept = self.pauses.kept
-        # Lifecycle value ranks before session references and the configured policy (see eviction_rank).
+        # How leaves are ranked for eviction: "lifecycle" (ours, see eviction_rank). The replayer's
+        # baselines run the same cache with "lru" (stock order, pins still honoured) or "next_use"
+        # (furthest expected next use first, from ``next_use``: KVFlow-style, or Belady for the oracle).
+        self.ranking = "lifecycle"
+        self.next_use: dict[BranchKey, float] = {}
         base = core.eviction_strategy
-        core.eviction_strategy = _LifecycleStrategy(base, kept)
+        core.eviction_strategy = _LifecycleStrategy(self, base)
         full = self.components[FULL]
-        full.session_ref_eviction_strategy = lambda node: eviction_rank(
-            node.agent, full.session_ref(node), base.get_priority(node), node.agent.owner in kept)
+        full.session_ref_eviction_strategy = lambda node: self.eviction_key(
+            node, full.session_ref(node), base.get_priority(node))
+
+    @property
+    def ranking(self) -> str:
+        return self._ranking
+
+    @ranking.setter
+    def ranking(self, name: str) -> None:
+        keys = {"lifecycle": self._lifecycle_key, "lru": self._lru_key, "next_use": self._next_use_key}
+        if name not in keys:
+            raise ValueError(f"unknown ranking {name!r}; known: {', '.join(keys)}")
+        self._ranking, self.eviction_key = name, keys[name]  # chosen once: eviction calls it per leaf
+
+    def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
+        state, pauses = node.agent, self.pauses
+        return eviction_rank(state, session_ref, base_priority, state.owner in pauses.kept,
+                             bool(pauses.anchors) and node in pauses.anchors)
+
+    def _lru_key(self, node, session_ref: int, base_priority) -> tuple:
+        return (node.agent.owner in self.pauses.kept, session_ref > 0, session_ref, base_priority)
+
+    def _next_use_key(self, node, session_ref: int, base_priority) -> tuple:
+        # Unowned (shared) nodes count as needed now; terminated ones as never.
+        state = node.agent
+        when = -1.0 if state.terminated else self.next_use.get(state.owner, 0.0) if state.owner else 0.0
+        return (state.owner in self.pauses.kept, -when if when >= 0 else float("-inf"), base_priority)
 
     # ---- inserts ----
 
@@ -133,7 +161,9 @@ class AgentRadixCache(UnifiedRadixCache):
         from sgl_agentcache.server.admission import parent_refusal
 
         plan = self._plan(req)
-        if plan.parent is not None:
+        # Only a *new* fork needs a live parent: a subagent that already runs keeps working after its
+        # lead closed (what it inherited from the parent is born terminated, see _plan).
+        if plan.parent is not None and plan.own.owner not in self.seen:
             refusal = parent_refusal(plan.parent.owner, self.seen, self.closed)
             if refusal is not None:
                 return refusal
@@ -141,6 +171,8 @@ class AgentRadixCache(UnifiedRadixCache):
             self.seen.add(plan.own.owner)
             if plan.own.owner in self.pauses.records:  # the tool returned: unpin or restore first
                 self.pauses.resume(plan.own.owner)
+        if plan.parent is not None and plan.parent.owner in self.pauses.records:
+            self.pauses.restore_for_fork(plan.parent.owner)  # a subagent needs its paused lead's history
         return None
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
@@ -172,7 +204,11 @@ class AgentRadixCache(UnifiedRadixCache):
         # Tokens the branch holds on the host tier count against its quota too.
         over = self.tree_core.owned_tokens(owner) + self.pauses.host.tokens_of(owner) + new_tokens - quota
         if over > 0:
-            self.quota_evicted_tokens += self._evict_nodes(self.tree_core.owner_index.get(owner, ()), over)
+            # The branch's own oldest nodes go first -- but never one this insert would walk through
+            # (it would re-create the same tokens at once: an eviction that frees nothing).
+            on_path = self._path_nodes(req, up_to)
+            candidates = [n for n in self.tree_core.owner_index.get(owner, ()) if n not in on_path]
+            self.quota_evicted_tokens += self._evict_nodes(candidates, over)
         room = quota - self.tree_core.owned_tokens(owner)
         allowed = req.kv.cache_protected_len + max(room, 0)
         if allowed < up_to:
@@ -181,6 +217,21 @@ class AgentRadixCache(UnifiedRadixCache):
                         owner, quota, up_to - allowed, req.rid)
             return allowed
         return up_to
+
+    def _path_nodes(self, req, up_to: int) -> set:
+        """Nodes the request's tokens ``[0, up_to)`` already match in the tree (read-only walk)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        core = self.tree_core
+        key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, cache_salt=req.cache_salt)
+        match = core.match_prefix(MatchPrefixParams(key=key.page_aligned(self.page_size)))
+        self._apply_cache_actions(match.cache_actions)
+        nodes, node = set(), core.node_by_id(match.last_device_node)
+        while node is not None and node is not core.root_node:
+            nodes.add(node)
+            node = node.parent
+        return nodes
 
     def _stamp(self, node, plan: InsertPlan, start: int) -> None:
         """Give a created node the plan's state for its first token. Tokens a fork assigns to its parent
@@ -290,7 +341,7 @@ class AgentRadixCache(UnifiedRadixCache):
     def reclaim_terminated(self) -> int:
         """Free every terminated node that is an unlocked device leaf, bottom-up. Returns tokens freed."""
         core = self.tree_core
-        if not core.terminated:
+        if not core.reclaimable():  # runs every scheduler step: the common case must cost ~nothing
             return 0
         freed = self._evict_nodes(core.terminated, budget=None)
         self.freed_on_close_tokens += freed
@@ -329,8 +380,11 @@ class AgentRadixCache(UnifiedRadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         plan: InsertPlan | None = getattr(req, "agentcache_plan", None)
-        hint: LifecycleHint | None = getattr(req, "agentcache_hint", None)
-        if plan is not None and plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
+        if plan is None or plan is UNTAGGED_PLAN:
+            self.reclaim_terminated()
+            return
+        hint: LifecycleHint | None = req.agentcache_hint
+        if plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
             from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
             # An aborted subagent (fork) is cancelled for good; an aborted turn of a root branch (a
@@ -347,7 +401,8 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def flush_pending_backups(self) -> None:
         super().flush_pending_backups()
-        self.reclaim_terminated()
+        if self.tree_core.terminated:
+            self.reclaim_terminated()
 
     # ---- read-only views (served by /agentcache/stats and /agentcache/check) ----
 

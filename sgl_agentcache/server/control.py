@@ -139,7 +139,7 @@ def _resume(scheduler, args: dict) -> dict:
 
 @op("prefetch")
 def _prefetch(scheduler, args: dict) -> dict:
-    return _agent_cache(scheduler).pauses.prefetch_branch(_branch(args))
+    return _agent_cache(scheduler).pauses.prefetch_branch(_branch(args), queued=len(scheduler.waiting_queue))
 
 
 @op("expire")

@@ -106,19 +106,21 @@ class PauseCoordinator:
                     priority: int, resume_required: bool) -> tuple[int, dict]:
         key = (namespace, session, branch)
         deadline_s = self.max_retention_s
-        if deadline_ms is not None and deadline_ms / 1000 <= self.max_retention_s:
+        clipped = deadline_ms is not None and deadline_ms / 1000 > self.max_retention_s
+        if deadline_ms is not None and not clipped:
             deadline_s = deadline_ms / 1000
-        elif deadline_ms is not None:
-            self.counters["deadline_clipped"] += 1
-        model = self.book.model(namespace, tool_class)
+        # peek, not model: a pause the scheduler refuses must not create (or refresh) a book entry.
+        model = self.book.peek(namespace, tool_class)
         args = self._args(*key) | {
             "tool_class": tool_class, "latency": msgspec.to_builtins(model.snapshot()), "deadline_s": deadline_s,
             "priority": priority, "resume_probability": 1.0 if resume_required else 0.5}
         status, result = await self.send("pause", args)
         if status != 200:
             return status, result
+        self.book.model(namespace, tool_class)  # the class is real now: keep its model in the book
         self._cancel(key)
         self.counters["pauses"] += 1
+        self.counters["deadline_clipped"] += clipped
         if result.get("paused"):
             active = self.active[key] = _Active(tool_class, self.clock())
             active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
@@ -143,7 +145,7 @@ class PauseCoordinator:
                 self.events.emit("restoring", self._args(*key), tool_class=active.tool_class, by="request")
             return 200, {"resumed": active is not None}
         status, result = await self.send("resume", self._args(*key))
-        if status == 200:
+        if status == 200 and result.get("resumed"):
             self.events.emit("decode", self._args(*key), restored_tokens=result.get("restored_tokens"),
                              placement=result.get("placement"))
         return status, result

@@ -45,9 +45,9 @@ class HostEntry:
     cache_salt: str | None
     start: int
     segments: list[tuple[int, NodeState]]  # (absolute offset, state) of each offloaded node, in order
-    kv: Any = field(repr=False)  # the allocator's CPU copy
+    kv: list = field(repr=False)  # the allocator's CPU copy of each segment
     nbytes: int = 0
-    speculative: bool = False
+    anchor: Any = None  # the device node the copy hangs from (protected while the copy exists)
 
     @property
     def end(self) -> int:
@@ -56,6 +56,17 @@ class HostEntry:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    def segment_end(self, i: int) -> int:
+        return self.segments[i + 1][0] if i + 1 < len(self.segments) else self.end
+
+    def first_missing(self, have: int) -> int:
+        """Index of the segment holding token ``have`` (a restore starts there; what the device still
+        holds before it is not copied again)."""
+        i = 0
+        while i + 1 < len(self.segments) and self.segments[i + 1][0] <= have:
+            i += 1
+        return i
 
     def state_at(self, offset: int) -> NodeState:
         state = self.segments[0][1]
@@ -124,8 +135,9 @@ class HostTier:
 
     def demote(self, branch: BranchKey, tokens, extra_key, cache_salt, start: int,
                segments: Sequence[tuple[int, NodeState]], device_indices) -> HostEntry | None:
-        """Copy ``device_indices`` (the KV of ``tokens[start:]``) to host. None when the tier is full;
-        raises :class:`TransferError` when the copy fails (nothing is stored then)."""
+        """Copy ``device_indices`` (the KV of ``tokens[start:]``) to host, one copy per segment (so a
+        restore can skip segments the device still holds). None when the tier is full; raises
+        :class:`TransferError` when the copy fails (nothing is stored then)."""
         n = len(tokens) - start
         if n <= 0 or len(device_indices) != n:
             raise ValueError(f"demote: {len(device_indices)} indices for {n} tokens")
@@ -137,7 +149,8 @@ class HostTier:
         began = time.perf_counter()
         try:
             self._maybe_fail("demote")
-            kv = self.allocator.get_cpu_copy(device_indices)
+            bounds = [off - start for off, _ in segments] + [n]
+            kv = [self.allocator.get_cpu_copy(device_indices[a:b]) for a, b in zip(bounds, bounds[1:])]
         except Exception as exc:  # noqa: BLE001 - any copy failure degrades to recompute
             self.demotes.failures += 1
             raise TransferError(f"device->host copy of {n} tokens failed: {exc}") from exc
@@ -149,19 +162,25 @@ class HostTier:
         self.used_bytes += nbytes
         return entry
 
-    def promote(self, entry: HostEntry, device_indices) -> None:
-        """Write ``entry``'s KV into ``device_indices`` (freshly allocated by the caller); raises
+    def promote(self, entry: HostEntry, first: int, device_indices) -> None:
+        """Write ``entry``'s segments from index ``first`` on into ``device_indices`` (freshly
+        allocated by the caller, one slot per token from ``segments[first]`` to the end); raises
         :class:`TransferError` on failure. The entry stays until :meth:`delete`."""
-        if len(device_indices) != entry.num_tokens:
-            raise ValueError(f"promote: {len(device_indices)} indices for {entry.num_tokens} tokens")
+        begin = entry.segments[first][0]
+        if len(device_indices) != entry.end - begin:
+            raise ValueError(f"promote: {len(device_indices)} indices for {entry.end - begin} tokens")
         began = time.perf_counter()
+        nbytes = 0
         try:
             self._maybe_fail("promote")
-            self.allocator.load_cpu_copy(entry.kv, device_indices)
+            for i in range(first, len(entry.segments)):
+                a, b = entry.segments[i][0] - begin, entry.segment_end(i) - begin
+                self.allocator.load_cpu_copy(entry.kv[i], device_indices[a:b])
+                nbytes += _nbytes(entry.kv[i])
         except Exception as exc:  # noqa: BLE001
             self.promotes.failures += 1
-            raise TransferError(f"host->device copy of {entry.num_tokens} tokens failed: {exc}") from exc
-        self.promotes.add(entry.num_tokens, entry.nbytes, time.perf_counter() - began)
+            raise TransferError(f"host->device copy of {entry.end - begin} tokens failed: {exc}") from exc
+        self.promotes.add(entry.end - begin, nbytes, time.perf_counter() - began)
 
     def delete(self, branch: BranchKey) -> int:
         """Drop ``branch``'s host copy; returns the tokens freed."""

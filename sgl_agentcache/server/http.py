@@ -132,7 +132,7 @@ async def fault(request: Request) -> JSONResponse:
         return JSONResponse({"error": "fault injection is disabled"}, status_code=403)
     try:
         body = msgspec.json.decode(await request.body(), type=dict[str, str | int])
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         return JSONResponse({"error": f"invalid body: {exc}"}, status_code=400)
     return await _forward("fault", body)
 

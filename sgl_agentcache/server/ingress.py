@@ -23,12 +23,38 @@ _CONVERTERS = (
 )
 
 
+#: Deepest nesting accepted anywhere in a ``kv_hints`` envelope (ours or another consumer's action):
+#: SGLang pickles the request for the scheduler, and a very deep payload fails there with a 500.
+MAX_ENVELOPE_DEPTH = 128
+
+
+def _depth(value, limit: int) -> int:
+    """Nesting depth of a JSON-like value, counting stops past ``limit`` (iterative: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def validate_request_hints(obj) -> None:
-    """Raise ``ValueError`` (-> HTTP 400) if a lifecycle hint of ``obj`` is malformed or out of range."""
-    envelopes = obj.kv_hints if isinstance(obj.kv_hints, list) else [obj.kv_hints]
+    """Raise ``ValueError`` (-> HTTP 400) if a lifecycle hint of ``obj`` is malformed or out of range.
+
+    A batch either carries one envelope per prompt or one envelope for all of them; in the second case
+    the hint is checked against every prompt.
+    """
     input_ids = getattr(obj, "input_ids", None)
-    id_lists = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids] * len(envelopes)
-    for envelope, ids in zip(envelopes, id_lists):
+    id_lists = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+    if isinstance(obj.kv_hints, list):
+        pairs = zip(obj.kv_hints, id_lists if len(id_lists) == len(obj.kv_hints) else id_lists * len(obj.kv_hints))
+    else:
+        pairs = ((obj.kv_hints, ids) for ids in id_lists)
+    for envelope, ids in pairs:
         try:
             hint = find_lifecycle_hint(envelope)
         except HintError as exc:
@@ -40,6 +66,9 @@ def validate_request_hints(obj) -> None:
             if value is not None and value > len(ids):
                 raise ValueError(f"invalid kv_hints: `{name}`={value} is past the end of the "
                                  f"{len(ids)}-token prompt")
+    # Checked last, so that a malformed hint of ours is reported by the field it got wrong.
+    if _depth(obj.kv_hints, MAX_ENVELOPE_DEPTH) > MAX_ENVELOPE_DEPTH:
+        raise ValueError(f"invalid kv_hints: nested deeper than {MAX_ENVELOPE_DEPTH} levels")
 
 
 def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
@@ -67,9 +96,12 @@ def _note_resumes(obj) -> None:
 
 
 def _after_convert_to_internal_request(result, serving, request, raw_request=None, *args, **kwargs):
-    value = raw_request.headers.get(HINT_HEADER) if raw_request is not None else None
-    if value is None:
+    values = raw_request.headers.getlist(HINT_HEADER) if raw_request is not None else []
+    if not values:
         return result
+    if len(values) > 1:
+        raise ValueError(f"invalid {HINT_HEADER} header: sent {len(values)} times; send one hint")
+    value = values[0]
     adapted, original = result
     try:
         hint = parse_header(value)

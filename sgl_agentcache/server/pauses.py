@@ -117,13 +117,16 @@ class PauseBook:
         self.host = host
         self.records: dict[BranchKey, PauseRecord] = {}
         self.kept: dict[BranchKey, int] = {}  # pinned branch -> tokens pinned
+        # Device nodes host copies hang from -> how many copies (they rank like a stable prefix).
+        self.anchors: dict = {}
         self.counters = {"decisions": {a.value: 0 for a in PauseAction}, "forced": 0, "kept_clipped": 0,
+                         "refused_closed": 0,
                          "offload_fallbacks": {"host_full": 0, "transfer_failed": 0},
-                         "restores": 0, "restored_tokens": 0,
+                         "restores": 0, "restored_tokens": 0, "fork_restores": 0,
                          "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0},
                          "deadline_releases": 0, "released_tokens": 0}
         self.prefetch = {"issued": 0, "used": 0, "wasted": 0, "tokens_prefetched": 0, "tokens_used": 0,
-                         "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0,
+                         "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0, "refused_room": 0, "refused_queue": 0,
                          "saved_transfer_s": 0.0}
         self._outcomes: dict[str, deque] = {}  # namespace -> recent prefetch outcomes (True = used)
         self._refused_since_probe: dict[str, int] = {}
@@ -192,10 +195,13 @@ class PauseBook:
             placement=placement, previous=previous)
 
     def pause(self, branch: BranchKey, latency: LatencyDistribution | None = None, *, tool_class: str = "default",
-              force: PauseAction | None = None, **inputs) -> dict:
+              force: PauseAction | None = None, write_through: bool = False, **inputs) -> dict:
         """Decide and apply. ``force`` (baselines, tests) skips the policy; a pause of a branch that is
-        already paused re-evaluates it (hysteresis against the previous decision)."""
+        already paused re-evaluates it (hysteresis against the previous decision). ``write_through``
+        (with OFFLOAD; the HiCache-style baselines) copies to host but leaves the device copy to the
+        eviction policy: the resume loads back only what was evicted meanwhile."""
         if branch in self.cache.closed:
+            self.counters["refused_closed"] += 1
             return {"paused": False, "reason": "branch is closed"}
         decision = None
         if force is None:
@@ -208,7 +214,14 @@ class PauseBook:
             self.counters["forced"] += 1
         record = self.records.get(branch)
         placement = record.placement if record is not None else Placement.DEVICE
-        applied, moved = self._apply(branch, action, placement)
+        if write_through:
+            if action is not PauseAction.OFFLOAD:
+                raise ValueError("write_through applies to OFFLOAD only")
+            moved = self._offload(branch, evict=False)
+            applied = PauseAction.OFFLOAD if moved is not None else PauseAction.KEEP
+            moved = moved or 0
+        else:
+            applied, moved = self._apply(branch, action, placement)
         tokens = self.host.tokens_of(branch) if applied is PauseAction.OFFLOAD else moved
         self.counters["decisions"][applied.value] += 1
         if applied is PauseAction.RELEASE:
@@ -262,17 +275,29 @@ class PauseBook:
             if moved is None:
                 return self._apply(branch, PauseAction.DISCARD, placement)
             return PauseAction.OFFLOAD, moved
-        freed = self.host.delete(branch) + self._discard(branch)
+        freed = self._drop_host(branch) + self._discard(branch)
         if action is PauseAction.RELEASE:
             self.counters["released_tokens"] += freed
         return action, freed
+
+    def _drop_host(self, branch: BranchKey) -> int:
+        """Delete ``branch``'s host copy and release its anchor; returns the tokens freed on host."""
+        entry = self.host.entries.get(branch)
+        if entry is not None and entry.anchor is not None:
+            left = self.anchors.get(entry.anchor, 0) - 1
+            if left > 0:
+                self.anchors[entry.anchor] = left
+            else:
+                self.anchors.pop(entry.anchor, None)
+        return self.host.delete(branch)
 
     def _discard(self, branch: BranchKey) -> int:
         core = self.cache.tree_core
         return self.cache._evict_nodes(core.owner_index.get(branch, ()), budget=None)
 
-    def _offload(self, branch: BranchKey) -> int | None:
-        """Copy the movable suffix to host and free its device slots; None if it could not be stored."""
+    def _offload(self, branch: BranchKey, evict: bool = True) -> int | None:
+        """Copy the movable suffix to host and (``evict``) free its device slots; None if it could not
+        be stored."""
         chain = self.movable_suffix(branch)
         if not chain:
             return 0
@@ -293,6 +318,7 @@ class PauseBook:
             offset += len(node.key)
         indices = torch.cat([n.component_data[FULL].value for n in chain])
         key = chain[-1].key
+        self._drop_host(branch)
         try:
             entry = self.host.demote(branch, tokens, key.extra_key, key.cache_salt, start, segments, indices)
         except TransferError as exc:
@@ -303,15 +329,23 @@ class PauseBook:
         if entry is None:
             self.counters["offload_fallbacks"]["host_full"] += 1
             return None
+        anchor = chain[0].parent
+        if anchor is not core.root_node:
+            entry.anchor = anchor
+            self.anchors[anchor] = self.anchors.get(anchor, 0) + 1
+        if not evict:
+            return entry.num_tokens
         freed = self.cache._evict_nodes(chain, budget=None)
         assert freed == entry.num_tokens, (freed, entry.num_tokens)
         return freed
 
     # ---- resume, prefetch, deadline, close ----
 
-    def _restore(self, branch: BranchKey) -> int:
+    def _restore(self, branch: BranchKey, keep_host: bool = False) -> int:
         """Bring ``branch``'s host copy back into the tree; returns tokens restored (0: recompute).
-        The host copy is deleted either way."""
+        The host copy is deleted, unless ``keep_host`` and the restore succeeded (a speculative or
+        fork-driven restore keeps it until the branch resumes: if the device copy is evicted again
+        meanwhile, the resume still restores instead of recomputing)."""
         entry = self.host.entries.get(branch)
         if entry is None:
             return 0
@@ -321,12 +355,15 @@ class PauseBook:
         have = match.device_prefix_len
         if have < entry.start:
             self.counters["restore_failures"]["gap"] += 1
-            self.host.delete(branch)
+            self._drop_host(branch)
             return 0
         if have >= entry.end:
-            self.host.delete(branch)
+            if not keep_host:
+                self._drop_host(branch)
             return 0
-        n = entry.num_tokens
+        first = entry.first_missing(have)
+        begin = entry.segments[first][0]  # copy back from the segment the device lost first
+        n = entry.end - begin
         allocator = cache.token_to_kv_pool_allocator
         lock = cache.lock(match.last_device_node)  # the prefix we hang from must survive the eviction
         try:
@@ -337,29 +374,30 @@ class PauseBook:
             cache.unlock(lock)
         if new is None:
             self.counters["restore_failures"]["no_room"] += 1
-            self.host.delete(branch)
+            self._drop_host(branch)
             return 0
         try:
-            self.host.promote(entry, new)
+            self.host.promote(entry, first, new)
         except TransferError as exc:
             logger.warning("agentcache: restore of %s/%s failed, recomputing: %s", branch.session, branch.branch, exc)
             allocator.free(new)
             self.counters["restore_failures"]["transfer_failed"] += 1
-            self.host.delete(branch)
+            self._drop_host(branch)
             return 0
-        prefix = cache.path_device_indices(match.last_device_node)[: entry.start]
-        core.insert_state = entry.state_at(entry.start)
+        prefix = cache.path_device_indices(match.last_device_node)[:begin]
+        core.insert_state = entry.state_at(begin)
         try:
             result = cache.insert(InsertParams(key=key, value=torch.cat([prefix.to(new.dtype), new]),
-                                               prev_prefix_len=entry.start))
+                                               prev_prefix_len=begin))
         finally:
             core.insert_state = None
         fresh = core.take_fresh()
         bounds = [s for s, _ in entry.segments[1:]]
         cache.classify_created(result.last_device_node, fresh, bounds,
                                lambda node, start: core.set_state(node, entry.state_at(start)))
-        self.host.delete(branch)
-        restored = entry.end - max(result.prefix_len, entry.start)
+        if not keep_host:
+            self._drop_host(branch)
+        restored = entry.end - max(result.prefix_len, begin)
         self.counters["restores"] += 1
         self.counters["restored_tokens"] += restored
         return restored
@@ -370,18 +408,36 @@ class PauseBook:
         if record is None:
             return {"resumed": False, "reason": "branch is not paused"}
         self.kept.pop(branch, None)
-        restored = self._restore(branch) if record.placement is Placement.HOST else 0
-        if record.prefetched_tokens:
+        prefetched = record.prefetched_tokens
+        if prefetched:  # judged before the restore below can bring back what was evicted again
             self._prefetch_outcome(branch, record)
+        restored = self._restore(branch) if record.placement is Placement.HOST else 0
         return {"resumed": True, "placement": record.placement.value, "restored_tokens": restored,
-                "prefetched_tokens": record.prefetched_tokens}
+                "prefetched_tokens": prefetched}
 
-    def prefetch_branch(self, branch: BranchKey) -> dict:
-        """"Tool nearly done": restore now, ahead of the request, within the namespace's speculative budget."""
-        record = self.records.get(branch)
+    def restore_for_fork(self, parent: BranchKey) -> int:
+        """A new fork of a paused parent needs the parent's history: bring a host copy back now. The
+        parent stays paused (its tool is still running), its KV on device (unpinned) and on host."""
+        record = self.records.get(parent)
         if record is None or record.placement is not Placement.HOST:
+            return 0
+        restored = self._restore(parent, keep_host=True)
+        if parent not in self.host.entries:
+            record.placement = Placement.NONE
+        self.counters["fork_restores"] += 1
+        return restored
+
+    def prefetch_branch(self, branch: BranchKey, queued: int = 0) -> dict:
+        """"Tool nearly done": restore now, ahead of the request, within the namespace's speculative
+        budget, into free memory only, and only while no request waits for admission (``queued``, the
+        scheduler's waiting queue): speculation never competes with work that is already here."""
+        record = self.records.get(branch)
+        if record is None or record.placement is not Placement.HOST or record.prefetched_tokens:
             self.prefetch["refused_nothing"] += 1
-            return {"prefetched": False, "reason": "nothing on host for this branch"}
+            return {"prefetched": False, "reason": "nothing on host for this branch (or already prefetched)"}
+        if queued > 0:
+            self.prefetch["refused_queue"] += 1
+            return {"prefetched": False, "reason": f"{queued} requests wait for admission"}
         ns = branch.namespace
         if not self._prefetch_enabled(ns):
             self.prefetch["refused_disabled"] += 1
@@ -389,13 +445,19 @@ class PauseBook:
                                                      f"{self.settings.prefetch_min_precision})"}
         pending = sum(r.prefetched_tokens for b, r in self.records.items() if b.namespace == ns)
         need = self.host.tokens_of(branch)
+        if self.cache.token_to_kv_pool_allocator.available_size() < need:
+            # Speculation only fills free memory: it never evicts what someone may still hit.
+            self.prefetch["refused_room"] += 1
+            return {"prefetched": False, "reason": f"{need} tokens do not fit in free device memory "
+                                                     "(prefetch never evicts)"}
         if pending + need > self.settings.prefetch_budget_tokens:
             self.prefetch["refused_budget"] += 1
             return {"prefetched": False, "reason": f"speculative budget: {pending} + {need} > "
                                                      f"{self.settings.prefetch_budget_tokens} tokens"}
         before = self.host.promotes.seconds
-        restored = self._restore(branch)
-        record.placement = Placement.DEVICE if restored else Placement.NONE
+        restored = self._restore(branch, keep_host=True)
+        if branch not in self.host.entries:
+            record.placement = Placement.NONE
         record.prefetched_tokens = restored
         record.prefetch_seconds = self.host.promotes.seconds - before
         self.prefetch["issued"] += 1
@@ -443,7 +505,7 @@ class PauseBook:
         if record is not None and record.prefetched_tokens:
             self._prefetch_outcome(branch, record, used=False)
         self.kept.pop(branch, None)
-        return self.host.delete(branch)
+        return self._drop_host(branch)
 
     # ---- views ----
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
 
-from sgl_agentcache.lifecycle import BranchKey, NodeState, untagged
+from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
 
 
 class AgentTreeCore(UnifiedTreeCore):
@@ -36,13 +36,14 @@ class AgentTreeCore(UnifiedTreeCore):
 
     def reset(self) -> None:
         self.owner_index: dict[BranchKey, set[UnifiedTreeNode]] = {}
+        self.owned_count: dict[BranchKey, int] = {}  # tokens per owner, kept with owner_index (O(1) quota checks)
         self.terminated: set[UnifiedTreeNode] = set()
         self.fresh = set()
         super().reset()
 
     def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
         node = super()._new_node(priority=priority)
-        node.agent = untagged()
+        node.agent = UNTAGGED_STATE  # shared and never mutated: states are replaced, not edited
         return node
 
     def _add_new_node(self, parent, key, value, priority=0, session_id=None, rotation_base=None):
@@ -56,6 +57,9 @@ class AgentTreeCore(UnifiedTreeCore):
 
     def _split_node(self, key, child, split_len):
         new_node, action = super()._split_node(key, child, split_len)
+        owner = child.agent.owner
+        if owner is not None:  # the child lost the front of its key to new_node, which set_state re-adds
+            self.owned_count[owner] -= len(new_node.key)
         self.set_state(new_node, child.agent.copy())
         if child in self.fresh:
             self.fresh.add(new_node)
@@ -74,6 +78,7 @@ class AgentTreeCore(UnifiedTreeCore):
         node.agent = state
         if state.owner is not None:
             self.owner_index.setdefault(state.owner, set()).add(node)
+            self.owned_count[state.owner] = self.owned_count.get(state.owner, 0) + len(node.key)
         if state.terminated:
             self.terminated.add(node)
 
@@ -83,15 +88,19 @@ class AgentTreeCore(UnifiedTreeCore):
             return
         if state.owner is not None:
             nodes = self.owner_index.get(state.owner)
-            if nodes is not None:
+            if nodes is not None and node in nodes:
                 nodes.discard(node)
-                if not nodes:
+                left = self.owned_count[state.owner] - len(node.key)
+                if nodes:
+                    self.owned_count[state.owner] = left
+                else:
                     del self.owner_index[state.owner]
+                    del self.owned_count[state.owner]
         self.terminated.discard(node)
 
     def owned_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` is charged for: every node it owns, on any tier."""
-        return sum(len(node.key) for node in self.owner_index.get(branch, ()))
+        return self.owned_count.get(branch, 0)
 
     def take_fresh(self) -> set[UnifiedTreeNode]:
         fresh, self.fresh = self.fresh, set()
@@ -100,6 +109,10 @@ class AgentTreeCore(UnifiedTreeCore):
     def all_nodes(self) -> list[UnifiedTreeNode]:
         """Every node reachable from the root, root included."""
         return self._collect_all_nodes()
+
+    def reclaimable(self) -> bool:
+        """Some terminated node is an evictable device leaf right now (the cheap test before a reclaim)."""
+        return bool(self.terminated) and not self.terminated.isdisjoint(self.evictable_device_leaves)
 
     def is_device_leaf(self, node: UnifiedTreeNode) -> bool:
         """Unlocked, device-resident, no device-resident children: evictable right now."""

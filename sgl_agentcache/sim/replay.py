@@ -1,17 +1,18 @@
 """Replay an agent trace through the real cache code under a cost model.
 
 The cache is the real one the server runs -- :class:`~sgl_agentcache.server.cache.AgentRadixCache`, or
-SGLang's own ``UnifiedRadixCache`` for the stock baseline -- built offline on SGLang's CPU pools and
-driven through the scheduler's own calls (:mod:`sgl_agentcache.server.offline`). The replayer owns only
-time: a discrete-event loop over the trace's records, where a request is admitted when KV slots can be
-found (else it waits, FIFO), holds its slots for ``prefill(uncached) + decode(output)`` seconds of
-modelled service, and is then finished (or aborted). No model runs and no KV bytes move.
+SGLang's own ``UnifiedRadixCache`` for the stock baselines -- built offline on SGLang's CPU pools and
+driven through the scheduler's own calls (:mod:`sgl_agentcache.server.offline`); tool pauses go through
+the same ``PauseBook`` and host tier the server uses, so offloads and restores really copy (tiny) KV
+tensors. The replayer owns only time: a discrete-event loop over the trace's records, where a request
+is admitted when KV slots can be found (else it waits, FIFO), holds its slots for
+``restore + prefill(uncached) + decode(output)`` seconds of modelled service, then finishes. When a
+call ends in a tool call, the policy (:mod:`sgl_agentcache.sim.policies`) decides what happens to the
+branch's KV; the branch's next call is its resume.
 
-Policies in this increment:
-
-- ``stock``      B0: SGLang's ``UnifiedRadixCache`` with its LRU strategy; hints and closes are not sent.
-- ``agentcache`` our cache with every lifecycle hint the trace implies (session, branch, parent,
-                 stable prefix, fork point, context edits, close) and the trace's close/abort events.
+Costs come from a :class:`~sgl_agentcache.sim.cost.Profile` (KV bytes per token, prefill and decode
+rates, transfer bandwidths); the cache is told the profile's bytes per token, so its decisions price
+the deployment the profile describes, not the tiny offline pool.
 
 Outputs are exact where the trace says so: a call's generated tokens are the tokens its branch's next
 prompt carries at those positions, so the next turn can hit them, as on a real server.
@@ -20,17 +21,38 @@ prompt carries at those positions, so the next turn can hit them, as on a real s
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
 from sgl_agentcache.hints import lifecycle_envelope
-from sgl_agentcache.lifecycle import namespace_key
+from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.sim.cost import Profile
+from sgl_agentcache.sim.policies import POLICIES, PauseView, ReplayPolicy
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids
 
-POLICIES = ("stock", "agentcache")
+__all__ = ["POLICIES", "ReplayResult", "replay"]
+
+#: Resident-memory samples kept per run (for the memory-by-class plot).
+TIMELINE_SAMPLES = 200
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    lat = sorted(values)
+    if not lat:
+        return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
+    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
+    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99)}
+
+
+def jain(values: list[float]) -> float:
+    """Jain's fairness index of non-negative values (1 = perfectly even)."""
+    if not values or not any(values):
+        return 1.0
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
 @dataclass
@@ -38,16 +60,28 @@ class ReplayResult:
     policy: str
     trace: str
     pool_tokens: int
+    label: str = ""
     requests: int = 0
     input_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # device hits, including what a restore brought back before the match
+    restored_tokens: int = 0  # of which came from the host tier
     recomputed_tokens: int = 0
     resume_latencies_s: list[float] = field(default_factory=list, repr=False)
+    resume_queue_s: list[float] = field(default_factory=list, repr=False)
     queued_requests: int = 0
     refused_requests: int = 0
+    pauses: int = 0
+    decisions: dict = field(default_factory=dict)
+    idle_kv_token_s: float = 0.0  # device KV of paused branches x time paused
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    prefetch: dict = field(default_factory=dict)
+    tenant_hit_rates: dict = field(default_factory=dict)
     leaked_tokens: int | None = None
     terminated_shared_tokens: int | None = None
+    host_tokens_at_end: int = 0
     integrity_ok: bool = False
+    timeline: list = field(default_factory=list, repr=False)  # (t, {class: tokens})
     wall_s: float = 0.0
 
     @property
@@ -55,16 +89,15 @@ class ReplayResult:
         return self.cached_tokens / max(self.input_tokens, 1)
 
     def resume_quantiles(self) -> dict[str, float]:
-        lat = sorted(self.resume_latencies_s)
-        if not lat:
-            return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
-        pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
-        return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99)}
+        return _quantiles(self.resume_latencies_s)
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "resume_latencies_s"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("resume_latencies_s", "resume_queue_s")}
         return out | {"hit_rate": self.hit_rate, "resume_s": self.resume_quantiles(),
-                      "resume_mean_s": statistics.fmean(self.resume_latencies_s or [0.0])}
+                      "resume_mean_s": statistics.fmean(self.resume_latencies_s or [0.0]),
+                      "resume_queue_s": _quantiles(self.resume_queue_s),
+                      "fairness_jain": jain(list(self.tenant_hit_rates.values())),
+                      "resume_latencies_s": [round(x, 6) for x in self.resume_latencies_s]}
 
 
 class _TokenBook:
@@ -101,158 +134,362 @@ class _TokenBook:
         return block_token_ids(zlib.crc32(request.id.encode()), n, self.vocab)
 
 
-def _hint(request: Request) -> dict:
-    hint = {"session": request.session, "branch": request.branch,
-            "stable_prefix_tokens": request.stable_prefix_tokens, "close": request.close}
+def _hint(request: Request, full: bool) -> dict:
+    """The lifecycle hint the harness sends; baselines on our cache get ownership only (no stable
+    prefix, no fork classes, no close), which is what they need to find a paused branch's KV."""
+    hint = {"session": request.session, "branch": request.branch}
     if request.parent_branch is not None:
         hint["parent_branch"] = request.parent_branch
-        if request.fork_point_tokens is not None:
-            hint["fork_point_tokens"] = max(request.fork_point_tokens, request.stable_prefix_tokens)
+    if not full:
+        return hint
+    hint |= {"stable_prefix_tokens": request.stable_prefix_tokens, "close": request.close}
+    if request.parent_branch is not None and request.fork_point_tokens is not None:
+        hint["fork_point_tokens"] = max(request.fork_point_tokens, request.stable_prefix_tokens)
     if request.edit_from_tokens is not None:
         hint["edit_from_tokens"] = request.edit_from_tokens
     return hint
 
 
-def replay(trace: Trace, policy: str, *, pool_tokens: int, profile: Profile, vocab_size: int = 512,
-           max_live: int = 64) -> ReplayResult:
-    """Replay ``trace`` under ``policy`` with a ``pool_tokens`` KV pool; see the module docstring."""
-    from sgl_agentcache.lifecycle import BranchKey
-    from sgl_agentcache.server.offline import OfflineDriver, OfflineOutOfMemory, OfflineRefused, build_offline_cache
+class _Run:
+    """One replay: the event loop's state (see :func:`replay`)."""
 
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; known: {POLICIES}")
-    started = time.perf_counter()
-    longest = max((r.input_tokens + max(r.output_tokens, 1) for r in trace.requests), default=1)
-    cache = build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_live, context_len=longest,
-                                stock=policy == "stock")
-    driver = OfflineDriver(cache)
-    hinted = policy == "agentcache"
-    book = _TokenBook(trace, vocab_size)
-    result = ReplayResult(policy=policy, trace=trace.header.name, pool_tokens=pool_tokens)
-    events: list[tuple] = []
-    seq = 0
+    def __init__(self, trace: Trace, policy: ReplayPolicy, pool_tokens: int, profile: Profile, vocab_size: int,
+                 max_live: int, host_tokens: int | None):
+        from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
 
-    def push(t: float, kind: str, payload) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, payload))
-        seq += 1
+        self.trace, self.policy, self.profile, self.max_live = trace, policy, profile, max_live
+        longest = max((r.input_tokens + max(r.output_tokens, 1) for r in trace.requests), default=1)
+        self.cache = build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_live, context_len=longest,
+                                         stock=policy.stock, enable_session_radix_cache=policy.session_radix)
+        self.driver = OfflineDriver(self.cache)
+        self.agent = not policy.stock
+        if self.agent:
+            cache = self.cache
+            cache.ranking = policy.ranking
+            s = cache.pauses.settings
+            s.bytes_per_token = profile.kv_bytes_per_token
+            s.h2d_bytes_per_s, s.d2h_bytes_per_s = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
+            s.prefill_tokens_per_s = profile.prefill_tokens_per_s
+            cache.pauses.host.capacity_tokens = host_tokens if host_tokens is not None else 4 * pool_tokens
+            if not policy.quotas:  # quotas are ours; baselines run without them
+                cache.branch_quota_tokens = cache.session_quota_tokens = 1 << 40
+                s.max_kept_branches = s.max_kept_tokens = 1 << 40
+        self.book = LatencyBook()
+        self.observed: dict[tuple[str, str], list[float]] = {}
+        self.tokens = _TokenBook(trace, vocab_size)
+        by_id = {r.id: r for r in trace.requests}
+        self.after_tool = {nxt.id: by_id[rid] for rid, nxt in self.tokens.next_call.items()
+                           if by_id[rid].tool is not None}
+        self.result = ReplayResult(policy=policy.name, label=policy.label, trace=trace.header.name,
+                                   pool_tokens=pool_tokens)
+        self.events: list[tuple] = []
+        self.seq = 0
+        self.waiting: list[tuple[Request | Event, float]] = []
+        self.deferred: dict[tuple, list[tuple[Request, float]]] = {}
+        self.live: dict[tuple, tuple] = {}  # branch -> (offline req, trace request)
+        self.paused: dict[BranchKey, tuple[float, str, int]] = {}  # -> (since, tool class, device tokens)
+        self.sessions: set[tuple[str, str]] = set()
+        self.tenant_tokens: dict[str, list[int]] = {}
+        self.done_count = 0
 
-    for record in trace.records:
-        push(record.t, "arrive", record)
-    waiting: list[tuple[Request | Event, float]] = []
-    deferred: dict[tuple, list[tuple[Request, float]]] = {}
-    live: dict[tuple, tuple] = {}  # branch -> (offline req, trace request)
-    by_id = {r.id: r for r in trace.requests}
-    after_tool = {nxt.id for rid, nxt in book.next_call.items() if by_id[rid].tool is not None}
+    # ---- plumbing ----
 
-    def branch_key(r) -> tuple:
+    def push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+        self.seq += 1
+
+    @staticmethod
+    def key(r) -> tuple:
         return (r.tenant, r.session, r.branch)
 
-    def try_start(request: Request, arrived: float, now: float) -> bool:
-        if branch_key(request) in live:  # its previous call is still running (see "arrive")
-            deferred.setdefault(branch_key(request), []).append((request, arrived))
+    @staticmethod
+    def branch(r) -> BranchKey:
+        return BranchKey(namespace_key(r.tenant, None), r.session, r.branch)
+
+    def owned_on_device(self, branch: BranchKey) -> int:
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        nodes = self.cache.tree_core.owner_index.get(branch, ())
+        return sum(len(n.key) for n in nodes if n.component_data[ComponentType.FULL].value is not None)
+
+    # ---- requests ----
+
+    def try_start(self, request: Request, arrived: float, now: float) -> bool:
+        from sgl_agentcache.server.offline import OfflineOutOfMemory, OfflineRefused
+
+        if self.key(request) in self.live:  # its previous call is still running (see "arrive")
+            self.deferred.setdefault(self.key(request), []).append((request, arrived))
             return True
         # Admission budget, like the scheduler's: the prompt plus the whole output must fit in what is
         # free or evictable, after what live requests will still decode.
-        reserved = sum(max(r.output_tokens, 1) for _, r in live.values())
-        headroom = driver.free_tokens() + cache.evictable_size() - reserved
-        if len(live) >= max_live or headroom < request.input_tokens + max(request.output_tokens, 1):
+        reserved = sum(max(r.output_tokens, 1) for _, r in self.live.values())
+        headroom = self.driver.free_tokens() + self.cache.evictable_size() - reserved
+        if len(self.live) >= self.max_live or headroom < request.input_tokens + max(request.output_tokens, 1):
             return False
-        envelope = lifecycle_envelope(_hint(request), message_id=request.id) if hinted else None
+        envelope = (lifecycle_envelope(_hint(request, self.policy.hints), message_id=request.id)
+                    if self.agent else None)
+        session_id = None
+        if self.policy.session_radix:
+            session_id = f"{request.tenant}/{request.session}"
+            if (request.tenant, request.session) not in self.sessions:
+                self.driver.open_session(session_id)
+                self.sessions.add((request.tenant, request.session))
+        restored_before = self.cache.pauses.counters["restored_tokens"] if self.agent else 0
         try:
-            req = driver.admit(request.id, book.prompt(request), kv_hints=envelope, extra_key=request.tenant)
+            req = self.driver.admit(request.id, self.tokens.prompt(request), kv_hints=envelope,
+                                    extra_key=request.tenant, session_id=session_id)
         except OfflineOutOfMemory:
             return False
         except OfflineRefused:
-            result.refused_requests += 1  # e.g. a fork of an already-closed parent: never served
+            self.result.refused_requests += 1  # a new fork of an already-closed parent: never served
             return True
-        result.requests += 1
-        result.input_tokens += request.input_tokens
-        result.cached_tokens += req.cached_tokens
-        result.recomputed_tokens += request.input_tokens - req.cached_tokens
-        service = profile.prefill_s(request.input_tokens - req.cached_tokens)
-        if request.id in after_tool:
-            result.resume_latencies_s.append(now - arrived + service)
-        service += profile.decode_s_per_token * max(request.output_tokens, 1)
-        live[branch_key(request)] = (req, request)
-        push(now + service, "done", request)
+        restored = (self.cache.pauses.counters["restored_tokens"] - restored_before) if self.agent else 0
+        r = self.result
+        r.requests += 1
+        r.input_tokens += request.input_tokens
+        r.cached_tokens += req.cached_tokens
+        r.restored_tokens += restored
+        r.recomputed_tokens += request.input_tokens - req.cached_tokens
+        tenant = self.tenant_tokens.setdefault(request.tenant, [0, 0])
+        tenant[0] += req.cached_tokens
+        tenant[1] += request.input_tokens
+        # A restore at admission sits on the critical path (a prefetched one already happened).
+        service = restored * self.profile.kv_bytes_per_token / self.profile.h2d_bytes_per_s
+        service += self.profile.prefill_s(request.input_tokens - req.cached_tokens)
+        if request.id in self.after_tool:
+            r.resume_latencies_s.append(now - arrived + service)
+            r.resume_queue_s.append(now - arrived)
+        service += self.profile.decode_s_per_token * max(request.output_tokens, 1)
+        if self.agent:
+            self.cache.next_use[self.branch(request)] = now
+        self.live[self.key(request)] = (req, request)
+        self.push(now + service, "done", request)
         return True
 
-    def close_blocked(event: Event) -> bool:
+    def refused_at_receipt(self, request: Request) -> bool:
+        """The server's admission hook runs when a request is *received* (not when it is scheduled):
+        a new fork of a closed or unknown parent is refused then; any other branch becomes known."""
+        from sgl_agentcache.server.admission import parent_refusal
+
+        if not self.agent:
+            return False
+        cache, own = self.cache, self.branch(request)
+        if request.parent_branch is not None and own not in cache.seen:
+            parent = BranchKey(own.namespace, own.session, request.parent_branch)
+            if parent_refusal(parent, cache.seen, cache.closed) is not None:
+                return True
+        cache.seen.add(own)
+        return False
+
+    def on_arrive(self, request: Request, now: float) -> None:
+        if self.refused_at_receipt(request):
+            self.result.refused_requests += 1
+            return
+        branch = self.branch(request)
+        if branch in self.paused:  # the tool returned: learn its duration, account idle memory
+            since, tool_class, held = self.paused.pop(branch)
+            waited = now - since
+            self.book.observe(request.tenant, tool_class, waited)
+            self.observed.setdefault((request.tenant, tool_class), []).append(waited)
+            held_now = self.owned_on_device(branch)
+            self.result.idle_kv_token_s += (held + held_now) / 2 * waited
+        if self.key(request) in self.live:
+            # Causality: the next call of a branch carries its previous output, so it cannot start
+            # before that call ends (the trace's own service model may have been faster).
+            self.deferred.setdefault(self.key(request), []).append((request, now))
+            self.result.queued_requests += 1
+        elif self.waiting or not self.try_start(request, now, now):
+            self.waiting.append((request, now))
+            self.result.queued_requests += 1
+
+    def on_done(self, request: Request, now: float) -> None:
+        entry = self.live.get(self.key(request))
+        if entry is None or entry[1] is not request:
+            return  # aborted meanwhile
+        del self.live[self.key(request)]
+        self.driver.extend(entry[0], self.tokens.output(request))
+        self.driver.finish(entry[0])
+        nxt = self.tokens.next_call.get(request.id)
+        if self.agent and request.tool is not None and self.policy.on_pause is not None:
+            self.pause(request, nxt, now)
+        elif self.agent and self.policy.ranking == "next_use":
+            # Both know when the branch runs next: the workflow graph (KVFlow) or the future (oracle).
+            self.cache.next_use[self.branch(request)] = math.inf if nxt is None else now + request.think_s
+        self.done_count += 1
+        if self.done_count % max(len(self.trace.requests) // TIMELINE_SAMPLES, 1) == 0:
+            self.sample(now)
+        # The branch's next calls are causally next: ahead of anything that waits on them.
+        self.waiting[0:0] = self.deferred.pop(self.key(request), ())
+        self.drain(now)
+
+    # ---- tool pauses ----
+
+    def pause(self, request: Request, nxt: Request | None, now: float) -> None:
+        branch, tool = self.branch(request), request.tool
+        pauses = self.cache.pauses
+        tokens = sum(len(n.key) for n in pauses.movable_suffix(branch))
+        p = self.profile
+        true_wait = max(nxt.t - now, 0.0) if nxt is not None else tool.duration_s
+        view = PauseView(
+            tokens=tokens, latency=self.book.model(request.tenant, tool.tool_class),
+            observations=self.observed.get((request.tenant, tool.tool_class), []),
+            prefill_s=p.prefill_s(tokens), transfer_s=tokens * p.kv_bytes_per_token / p.h2d_bytes_per_s,
+            running_tokens=sum(r.input_tokens + r.output_tokens for _, r in self.live.values()),
+            queue_s=statistics.fmean(self.result.resume_queue_s[-50:] or [0.0]),
+            true_duration_s=true_wait, resumes=nxt is not None)
+        order = self.policy.on_pause(view)
+        self.result.pauses += 1
+        if order.next_use_in_s is not None:
+            self.cache.next_use[branch] = now + order.next_use_in_s
+        if order.action is None and order.latency is None:
+            self.paused[branch] = (now, tool.tool_class, self.owned_on_device(branch))
+            return  # nothing: the KV is left to eviction
+        # Our decisions do not count on a prefetch hiding the restore (a "nearly done" signal may come
+        # too late or be refused); the oracle knows its exact prefetch hides it.
+        lead = view.transfer_s if self.policy.name == "oracle" else 0.0
+        with self.driver.activated():
+            pauses.pause(branch, order.latency, tool_class=tool.tool_class, force=order.action,
+                         write_through=order.write_through, prefetch_lead_s=lead)
+        self.paused[branch] = (now, tool.tool_class, self.owned_on_device(branch))
+        if order.unpin_after_s is not None:
+            self.push(now + order.unpin_after_s, "unpin", branch)
+        if order.prefetch_after_s is not None and branch in pauses.records:
+            self.push(now + order.prefetch_after_s, "prefetch", branch)
+
+    def on_unpin(self, branch: BranchKey) -> None:
+        record = self.cache.pauses.records.get(branch)
+        if record is not None and branch in self.cache.pauses.kept:
+            with self.driver.activated():
+                self.cache.pauses.resume(branch)  # TTL over: back to plain eviction order
+
+    def on_prefetch(self, branch: BranchKey) -> None:
+        if branch in self.cache.pauses.records:
+            with self.driver.activated():
+                self.cache.pauses.prefetch_branch(branch, queued=len(self.waiting))
+
+    # ---- closes ----
+
+    def close_blocked(self, event: Event) -> bool:
         if event.kind == "abort":
             return False  # an abort cuts in: it is meant for calls in flight
         if event.kind == "close_session":
             affected = lambda key: key[:2] == (event.tenant, event.session)  # noqa: E731
         else:
-            affected = lambda key: key == branch_key(event)  # noqa: E731
-        return any(affected(key) for key in live) or any(affected(key) for key in deferred)
+            affected = lambda key: key == self.key(event)  # noqa: E731
+        return any(affected(key) for key in self.live) or any(affected(key) for key in self.deferred)
 
-    def drain_waiting(now: float) -> None:
+    def apply_event(self, event: Event) -> None:
+        key = self.key(event)
+        if event.kind == "abort" and key in self.live:
+            req, _ = self.live.pop(key)
+            self.driver.abort(req)
+        if self.policy.session_radix and event.kind == "close_session" \
+                and (event.tenant, event.session) in self.sessions:
+            self.driver.close_session(f"{event.tenant}/{event.session}")
+            self.sessions.discard((event.tenant, event.session))
+        if not self.agent:
+            return
+        cache = self.cache
+        namespace = namespace_key(event.tenant, None)
+        if event.kind == "close_session":
+            branches = [b for b in set(cache.tree_core.owner_index) | set(cache.pauses.records)
+                        if b.namespace == namespace and b.session == event.session]
+        else:
+            branches = [self.branch(event)]
+        with self.driver.activated():
+            if self.policy.hints:
+                if event.kind == "close_session":
+                    cache.close_session(namespace, event.session)
+                else:
+                    cache.close_branch(branches[0])
+            else:  # the baselines never close anything on device; a host copy is dropped (HiCache LRU)
+                for b in branches:
+                    cache.pauses.forget(b)
+        for b in branches:
+            self.paused.pop(b, None)
+            if cache.ranking == "next_use":
+                cache.next_use[b] = math.inf
+
+    def drain(self, now: float) -> None:
         # Events wait behind earlier requests so that a close never overtakes the calls before it.
-        while waiting:
-            record, arrived = waiting[0]
-            if isinstance(record, Event) and close_blocked(record):
+        while self.waiting:
+            record, arrived = self.waiting[0]
+            if isinstance(record, Event) and self.close_blocked(record):
                 return  # a close waits for the calls of its branch (session) that came before it
             if isinstance(record, Event):
-                _apply_event(driver, record, live, hinted, BranchKey)
-                if branch_key(record) not in live:  # an abort freed the branch for its deferred calls
-                    waiting.extend(deferred.pop(branch_key(record), ()))
-            elif not try_start(record, arrived, now):
+                self.apply_event(record)
+                if self.key(record) not in self.live:  # an abort freed the branch for its deferred calls
+                    self.waiting.extend(self.deferred.pop(self.key(record), ()))
+            elif not self.try_start(record, arrived, now):
                 return
-            waiting.pop(0)
+            self.waiting.pop(0)
 
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "arrive" and isinstance(payload, Request):
-            if branch_key(payload) in live:
-                # Causality: the next call of a branch carries its previous output, so it cannot start
-                # before that call ends (the trace's own service model may have been faster).
-                deferred.setdefault(branch_key(payload), []).append((payload, now))
-                result.queued_requests += 1
-            elif waiting or not try_start(payload, now, now):
-                waiting.append((payload, now))
-                result.queued_requests += 1
-        elif kind == "arrive":
-            waiting.append((payload, now))
-            drain_waiting(now)
-        elif kind == "done":
-            entry = live.get(branch_key(payload))
-            if entry is None or entry[1] is not payload:
-                continue  # aborted meanwhile
-            del live[branch_key(payload)]
-            req = entry[0]
-            driver.extend(req, book.output(payload))
-            driver.finish(req)
-            # The branch's next calls are causally next: ahead of anything that waits on them.
-            waiting[0:0] = deferred.pop(branch_key(payload), ())
-            drain_waiting(now)
-        if not events and (waiting or deferred):
-            raise RuntimeError(f"{len(waiting) + len(deferred)} requests can never be admitted into a "
-                               f"{pool_tokens}-token pool")
+    def sample(self, now: float) -> None:
+        if self.agent:
+            counts = self.cache.resident_tokens_by_class()
+        else:
+            counts = {"untagged": self.driver.pool_tokens - self.driver.free_tokens()}
+        self.result.timeline.append((round(now, 6), counts))
 
-    report = driver.check()
-    result.integrity_ok = report.ok
-    if hinted:
-        # Leaked: terminated tokens that nothing holds any more yet are still resident (must be 0).
-        # Terminated nodes that other branches' nodes still hang below are shared, not leaked.
-        core = cache.tree_core
-        result.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n))
-        result.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - result.leaked_tokens
+    # ---- the loop ----
+
+    def run(self) -> ReplayResult:
+        for record in self.trace.records:
+            self.push(record.t, "arrive", record)
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "arrive" and isinstance(payload, Request):
+                self.on_arrive(payload, now)
+            elif kind == "arrive":
+                self.waiting.append((payload, now))
+                self.drain(now)
+            elif kind == "done":
+                self.on_done(payload, now)
+            elif kind == "unpin":
+                self.on_unpin(payload)
+            elif kind == "prefetch":
+                self.on_prefetch(payload)
+            if not self.events and (self.waiting or self.deferred):
+                raise RuntimeError(f"{len(self.waiting) + len(self.deferred)} requests can never be admitted "
+                                   f"into a {self.result.pool_tokens}-token pool")
+        return self.finish()
+
+    def finish(self) -> ReplayResult:
+        r = self.result
+        report = self.driver.check()
+        r.integrity_ok = report.ok
+        r.tenant_hit_rates = {t: c / max(n, 1) for t, (c, n) in sorted(self.tenant_tokens.items())}
+        if self.agent:
+            pauses = self.cache.pauses
+            r.decisions = dict(pauses.counters["decisions"]) | {"refused_closed": pauses.counters["refused_closed"]}
+            r.bytes_d2h = pauses.host.demotes.tokens * self.profile.kv_bytes_per_token
+            r.bytes_h2d = pauses.host.promotes.tokens * self.profile.kv_bytes_per_token
+            pf = pauses.prefetch
+            judged = pf["used"] + pf["wasted"]
+            host_resumes = max(pauses.counters["restores"] + pf["issued"] - pf["used"], 0)
+            r.prefetch = {"issued": pf["issued"], "used": pf["used"], "wasted": pf["wasted"],
+                          "precision": pf["used"] / judged if judged else None,
+                          "recall": pf["used"] / host_resumes if host_resumes else None}
+            r.host_tokens_at_end = pauses.host.used_tokens
+        if self.policy.hints:
+            # Leaked: terminated tokens that nothing holds any more yet are still resident (must be 0).
+            # Terminated nodes that other branches' nodes still hang below are shared, not leaked.
+            core = self.cache.tree_core
+            r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n))
+            r.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - r.leaked_tokens
+        self.sample(max((e.t for e in self.trace.records), default=0.0))
+        return r
+
+
+def replay(trace: Trace, policy: str | ReplayPolicy, *, pool_tokens: int, profile: Profile, vocab_size: int = 512,
+           max_live: int = 64, host_tokens: int | None = None) -> ReplayResult:
+    """Replay ``trace`` under ``policy`` (a name in :data:`POLICIES` or a :class:`ReplayPolicy`) with a
+    ``pool_tokens`` device KV pool and ``host_tokens`` of host tier (default 4x the pool)."""
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        policy = POLICIES[policy]
+    started = time.perf_counter()
+    result = _Run(trace, policy, pool_tokens, profile, vocab_size, max_live, host_tokens).run()
     result.wall_s = time.perf_counter() - started
     return result
-
-
-def _apply_event(driver, event: Event, live: dict, hinted: bool, BranchKey) -> None:
-    key = (event.tenant, event.session, event.branch)
-    if event.kind == "abort" and key in live:
-        req, _ = live.pop(key)
-        driver.abort(req)
-    if not hinted:
-        return
-    cache = driver.cache
-    namespace = namespace_key(event.tenant, None)
-    with driver.activated():
-        if event.kind == "close_session":
-            cache.close_session(namespace, event.session)
-        else:
-            cache.close_branch(BranchKey(namespace, event.session, event.branch))

@@ -1,0 +1,84 @@
+"""The real-server recomputation benchmark (bench/server_recompute.py) in quick mode: behaviour only.
+
+Runs a tiny agent trace (forks, tool pauses, closes, an abort) against a fresh stock SGLang CPU server
+and a fresh agentcache one, and checks that both served every request without failures, that the JSON
+carries every section and that computed = input - cached per backend (and agrees with the server
+log's own prefill count). Never timing, never the 0.5x target (that is the full run's claim).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "server_recompute.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("server_recompute_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_orders_forks_and_resumes():
+    bench = _load_bench()
+    cfg = bench.MODES["quick"]
+    from sgl_agentcache.trace.generators import generate
+
+    trace, dropped = bench.fit_context(generate("branch_heavy", seed=cfg["seed"], **cfg["trace"]),
+                                       cfg["context_length"], cfg["output_cap"])
+    plan = bench.build_plan(trace)
+    assert dropped == 0
+    for step in plan:
+        assert all(d < step.index for d, _ in step.deps)  # causal: only earlier records
+        if step.pred is not None:
+            assert any(d == step.pred for d, _ in step.deps)  # a prompt extends a call that has returned
+    forks = [s for s in plan if getattr(s.record, "parent_branch", None) and s.pred is not None]
+    assert forks and any(s.resume for s in plan)
+    assert any(not hasattr(s.record, "blocks") for s in plan)  # events (closes, aborts) are replayed too
+
+
+@pytest.mark.server
+def test_quick_run_serves_everything_on_both_backends(tmp_path):
+    bench = _load_bench()
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "server_recompute.json").read_text())
+    assert (tmp_path / "server_recompute.png").stat().st_size > 0
+
+    for key in ("benchmark", "mode", "command", "machine", "config", "backends", "comparison", "requests"):
+        assert key in result, key
+    assert result["mode"] == "quick"
+    stats = result["config"]["trace_stats"]
+    assert stats["fork_branches"] > 0 and stats["resumes"] > 0 and stats["events"] > 0
+    assert set(result["backends"]) == {"stock", "agentcache"}
+    cmp = result["comparison"]
+    assert cmp["target_ratio"] == 0.5 and isinstance(cmp["pass"], bool) and cmp["extra_failures"] == 0
+
+    for name, b in result["backends"].items():
+        rows = result["requests"][name]
+        assert b["requests"] == b["served"] == stats["requests"] == len(rows), name
+        assert b["failures"] == 0 and all(r["status"] == 200 for r in rows), name
+        assert b["input_tokens"] == sum(r["input"] for r in rows)
+        assert b["cached_tokens"] == sum(r["cached"] for r in rows)
+        assert b["computed_tokens"] == b["input_tokens"] - b["cached_tokens"] > 0
+        assert 0 < b["ideal_computed_tokens"] <= b["computed_tokens"]
+        # The server's own per-batch prefill log counts the same tokens (no retraction on this trace).
+        assert b["server_log"]["tracebacks"] == 0
+        if b["server_log"]["retractions"] == 0:
+            assert b["server_log"]["prefill_new_tokens"] == b["computed_tokens"], name
+        assert b["resume_requests"] == stats["resumes"] == len(b["resume_latencies_s"])
+        for q in ("p50", "p95", "p99"):
+            assert b["resume_latency_s"][q] > 0
+        assert b["wall_s"] > 0
+
+    ours = result["backends"]["agentcache"]
+    assert ours["control_errors"] == 0, ours["control_error_samples"]
+    assert sum(ours["pause_decisions"].values()) == stats["tool_calls"]
+    assert ours["agentcache"]["check_ok"] is True
+    assert result["backends"]["stock"]["pause_decisions"] == {}  # stock never sees our routes

@@ -1,0 +1,66 @@
+"""The tree-overhead benchmark (bench/tree_overhead.py) in quick mode: behaviour only, never timing.
+
+Checks that every variant played the same driver stream with the same operation counts (the benchmark
+asserts it per repetition; here it is checked again on the written JSON), that the JSON carries every
+section, that the Rust tree core is either measured or declared unavailable with a reason, and that
+every cache passed its integrity check after playback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "tree_overhead.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("tree_overhead_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_benchmark_compares_like_with_like_and_writes_every_section(tmp_path):
+    bench = _load_bench()
+    out = tmp_path / "tree_overhead.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+
+    for key in ("machine", "reps", "shim_ns_per_call", "workloads", "measurement_check", "rust", "target",
+                "integrity_ok"):
+        assert key in result, key
+    assert result["mode"] == "quick" and result["reps"] >= 2
+    assert result["machine"]["sglang"] and result["machine"]["cpus"]
+    assert result["target"]["max_ratio"] == 1.10
+    assert isinstance(result["target"]["ours_untagged_pass"], bool)
+    assert result["integrity_ok"] is True
+
+    rust = result["rust"]
+    assert isinstance(rust["available"], bool)
+    if not rust["available"]:
+        assert rust["reason"]
+    expected = {"stock", "stock_again", "ours_untagged", "ours_hinted"} | ({"rust"} if rust["available"] else set())
+
+    assert {wl["workload"] for wl in result["workloads"]} == {"branch_heavy", "short_tools"}
+    for wl in result["workloads"]:
+        variants = wl["variants"]
+        assert set(variants) == expected
+        assert wl["stream_ops"]["admit"] == wl["stream_ops"]["finish"] + wl["stream_ops"].get("abort", 0)
+        stock = {kind: e["calls"] for kind, e in variants["stock"]["per_kind"].items()}
+        assert stock["match"] == stock["lock"] == stock["unlock"] == wl["stream_ops"]["admit"]
+        for name, entry in variants.items():
+            assert entry["integrity_ok"], (wl["workload"], name, entry["integrity"])
+            calls = {kind: e["calls"] for kind, e in entry["per_kind"].items()}
+            # Stream-driven kinds are equal everywhere; a second stock cache, untagged ours and the Rust
+            # core match stock in every kind (same traffic, same decisions); only the hinted cache adds
+            # agent-only kinds and evicts at other moments.
+            same = bench.STREAM_KINDS if name == "ours_hinted" else bench.KINDS
+            assert {k: calls.get(k) for k in same} == {k: stock.get(k) for k in same}, (wl["workload"], name)
+            if name != "stock":
+                assert entry["total_ratio"] > 0 and len(entry["ratio_samples"]) == result["reps"]
+        assert variants["ours_hinted"]["per_kind"]["admit"]["calls"] == wl["stream_ops"]["admit"]
+        assert "admit" not in variants["ours_untagged"]["per_kind"]
