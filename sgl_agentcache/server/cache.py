@@ -424,6 +424,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "impl": type(self).__name__,
             "tree_core": type(core).__name__,
             "page_size": self.page_size,
+            "pool_tokens": self.token_to_kv_pool_allocator.size,
             "evictable_tokens": self.evictable_size(),
             "protected_tokens": self.protected_size(),
             "resident_tokens": self.resident_tokens_by_class(),

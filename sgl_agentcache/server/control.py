@@ -100,6 +100,15 @@ def _session_close(scheduler, args: dict) -> dict:
     return result
 
 
+@op("deletions")
+def _deletions(scheduler, args: dict) -> dict:
+    """The recorded node deletions (needs SGL_AGENTCACHE_RECORD_EVICTIONS=1 in the server's env)."""
+    core = _agent_cache(scheduler).tree_core
+    if core.deletions is None:
+        raise CtlError(409, "deletions are not recorded (start the server with SGL_AGENTCACHE_RECORD_EVICTIONS=1)")
+    return {"deletions": [list(d) for d in core.deletions]}
+
+
 def _branch(args: dict):
     from sgl_agentcache.lifecycle import BranchKey
 

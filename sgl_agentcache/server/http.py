@@ -58,6 +58,12 @@ async def check() -> JSONResponse:
     return await _forward("check")
 
 
+@router.get("/deletions")
+async def deletions() -> JSONResponse:
+    """Every node deletion so far, in order (diagnostics; needs SGL_AGENTCACHE_RECORD_EVICTIONS=1)."""
+    return await _forward("deletions")
+
+
 @router.post("/branch/close")
 async def branch_close(request: Request) -> JSONResponse:
     """Terminate a branch: its private nodes are freed now (locked ones when their request ends).

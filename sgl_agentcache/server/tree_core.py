@@ -16,11 +16,18 @@ exactly the created tokens afterwards (``settle``). Matched nodes are never touc
 
 from __future__ import annotations
 
+import os
+import zlib
+from array import array
+from collections import deque
 from typing import Optional
 
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
 
 from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
+
+
+RECORD_ENV = "SGL_AGENTCACHE_RECORD_EVICTIONS"
 
 
 class AgentTreeCore(UnifiedTreeCore):
@@ -30,6 +37,9 @@ class AgentTreeCore(UnifiedTreeCore):
         # Set before super().__init__: it calls reset(), which creates the root through _new_node.
         self.insert_state: Optional[NodeState] = None
         self.fresh: set[UnifiedTreeNode] = set()
+        # Every node deletion, in order, when SGL_AGENTCACHE_RECORD_EVICTIONS=1 (tests compare the
+        # server's decisions with the replayer's): (crc32 of the node's tokens, tokens, class).
+        self.deletions: Optional[deque] = deque(maxlen=65536) if os.environ.get(RECORD_ENV) == "1" else None
         super().__init__(params, components)
 
     # ---- SGLang overrides (pinned) ----
@@ -66,6 +76,9 @@ class AgentTreeCore(UnifiedTreeCore):
         return new_node, action
 
     def _unregister_node(self, node: UnifiedTreeNode) -> None:
+        if self.deletions is not None and node.key is not None:
+            tokens = node.key.token_ids[: len(node.key)]
+            self.deletions.append((zlib.crc32(array("q", tokens).tobytes()), len(node.key), node.agent.cls.name))
         super()._unregister_node(node)
         self._forget(node)
         self.fresh.discard(node)
