@@ -77,6 +77,9 @@ from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids  
 
 TARGET_RATIO = 0.5
 BACKENDS = ("stock", "agentcache")
+#: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool).
+ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "latency_s", "sent_s",
+               "pause", "error")
 _TRACE = dict(session_rate=5.0, system_tokens=256, task_tokens=(50, 150), output_tokens=(4, 12),
               worker_task_tokens=(30, 100), result_tokens=(30, 120))
 MODES = {
@@ -343,8 +346,8 @@ def run_backend(name: str, model, trace: Trace, plan: list[Step], cfg: dict, log
         rep = Replayer(server, trace, plan, model.vocab_size, cfg, agent)
         wall = rep.run()
         stats = _agentcache_stats(server) if agent else None
-    rows = [rep.rows[i] for i in sorted(rep.rows)]
-    return summarise(rep, wall, log_counts(log, offset), stats), rows
+    summary = summarise(rep, wall, log_counts(log, offset), stats)
+    return summary, [[rep.rows[i].get(c) for c in ROW_COLUMNS] for i in sorted(rep.rows)]
 
 
 # ---- report ----
@@ -419,6 +422,15 @@ def trace_stats(trace: Trace, plan: list[Step]) -> dict:
             "input_tokens": sum(r.input_tokens for r in reqs), "max_prompt_tokens": max(r.input_tokens for r in reqs)}
 
 
+def dump_json(result: dict) -> str:
+    """Indented JSON with one compact line per list of numbers or per request row (small, diffable)."""
+    text = json.dumps(result, indent=1)
+    # json's indent puts every list element on its own line; fold the innermost lists back onto one.
+    text = re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]", lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
+    json.loads(text)  # still the same document
+    return text + "\n"
+
+
 def compare(stock: dict, ours: dict) -> dict:
     """The claim: agentcache computes <= TARGET_RATIO x stock's prefill tokens, with no extra failures."""
     ratio = ours["computed_tokens"] / max(stock["computed_tokens"], 1)
@@ -463,9 +475,9 @@ def main(argv: list[str] | None = None) -> int:
                    "sessions_dropped_for_context": dropped, "trace_stats": trace_stats(trace, plan)},
         "backends": backends,
         "comparison": compare(backends["stock"], backends["agentcache"]),
-        "requests": rows,
+        "requests": {"columns": list(ROW_COLUMNS), **rows},
     }
-    (out / "server_recompute.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "server_recompute.json").write_text(dump_json(result))
     plot(result, out / "server_recompute.png")
     print_table(result)
     return 0

@@ -52,7 +52,7 @@ BRANCH_QUOTA_TOKENS = 512
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-log") / "sglang.log"
-    srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report",),
+    srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report", "--enable-metrics"),
                     env={"SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS),
                          # Pause decisions priced as the seed's 36 KiB/token deployment, with operator
                          # priors for two tool classes (see tests/test_pauses_server.py).

@@ -168,7 +168,11 @@ def test_policy_keeps_a_short_tool_and_offloads_a_long_tailed_one():
 def test_release_below_min_tokens_and_expire_releases_every_tier():
     h = Harness()
     h.turn("tiny", ids(0, STABLE + 40), [3])
-    assert h.pause("tiny", latency=LogNormal(5.0, 1.0))["action"] == "release"  # 41 tokens < min_tokens
+    owned = h.cache.tree_core.owned_tokens(BranchKey(NS, "tiny", "main"))
+    small = h.pause("tiny", latency=LogNormal(5.0, 1.0))  # 40 tokens < min_tokens: not worth a decision
+    assert small["action"] == "none" and not small["paused"]
+    assert h.cache.tree_core.owned_tokens(BranchKey(NS, "tiny", "main")) == owned  # left to eviction
+    assert h.cache.pauses.counters["too_small"] == 1 and not h.cache.pauses.records
 
     h.turn("e", ids(100, 300), [3])
     h.pause("e", force=PauseAction.OFFLOAD)

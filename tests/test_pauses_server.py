@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 
@@ -159,3 +160,30 @@ def test_pause_routes_reject_bad_input_and_change_nothing(server, tokens):
     after = _stats(server)["pauses"]
     for key in ("paused_branches", "decisions", "host", "kept_branches"):
         assert after[key] == before[key], key
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text format)."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total, found = total + float(value), True
+    assert found, f"no sample of {name} with {labels}"
+    return total
+
+
+def test_prometheus_metrics(server, tokens):
+    _conversation(server, tokens, "metrics", "metrics-ns", pause_body={"tool_class": "ci_run"})
+    time.sleep(1.2)  # the scheduler publishes at most once a second, on its next step
+    _gen(server, tokens.ids(40), "metrics-tick", extra_key="metrics-ns")
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    assert _metric(text, "sglang:agentcache_pause_decisions_total", action="offload") >= 1
+    assert _metric(text, "sglang:agentcache_bytes_moved_total", direction="device_to_host") > 0
+    assert _metric(text, "sglang:agentcache_bytes_moved_total", direction="host_to_device") > 0
+    assert _metric(text, "sglang:agentcache_resident_tokens", cls="stable", tier="device") > 0
+    assert 0.0 <= _metric(text, "sglang:agentcache_eviction_pressure") <= 1.0
+    assert _metric(text, "sglang:agentcache_pause_events_total", event="pauses") >= 1

@@ -60,14 +60,17 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     cmp = result["comparison"]
     assert cmp["target_ratio"] == 0.5 and isinstance(cmp["pass"], bool) and cmp["extra_failures"] == 0
 
+    columns = result["requests"]["columns"]
     for name, b in result["backends"].items():
-        rows = result["requests"][name]
+        rows = [dict(zip(columns, row)) for row in result["requests"][name]]
         assert b["requests"] == b["served"] == stats["requests"] == len(rows), name
         assert b["failures"] == 0 and all(r["status"] == 200 for r in rows), name
         assert b["input_tokens"] == sum(r["input"] for r in rows)
         assert b["cached_tokens"] == sum(r["cached"] for r in rows)
+        assert all(r["cached"] <= r["input"] for r in rows)
         assert b["computed_tokens"] == b["input_tokens"] - b["cached_tokens"] > 0
         assert 0 < b["ideal_computed_tokens"] <= b["computed_tokens"]
+        assert b["ideal_computed_tokens"] == sum(r["input"] - r["ideal_cached"] for r in rows)
         # The server's own per-batch prefill log counts the same tokens (no retraction on this trace).
         assert b["server_log"]["tracebacks"] == 0
         if b["server_log"]["retractions"] == 0:

@@ -37,6 +37,7 @@ from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, 
 from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
+from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
 from sgl_agentcache.server.pauses import PauseBook, default_settings, host_capacity_tokens
 from sgl_agentcache.server.tree_core import AgentTreeCore
 
@@ -45,6 +46,15 @@ FULL = ComponentType.FULL
 #: Server-side ceilings (tokens a branch may own in the tree); hints can never raise them.
 BRANCH_QUOTA_ENV = "SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS"    # forked branches (subagents): pool / 4
 SESSION_QUOTA_ENV = "SGL_AGENTCACHE_SESSION_QUOTA_TOKENS"  # root branches (a session's history): pool / 2
+
+
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:  # noqa: BLE001 - no published parallel config (offline): rank 0
+        return 0
 
 
 def namespace_of(req) -> str:
@@ -94,6 +104,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.context_edit_freed_tokens = 0
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
+        self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # How leaves are ranked for eviction: "lifecycle" (ours, see eviction_rank). The replayer's
         # baselines run the same cache with "lru" (stock order, pins still honoured) or "next_use"
         # (furthest expected next use first, from ``next_use``: KVFlow-style, or Belady for the oracle).
@@ -403,6 +414,8 @@ class AgentRadixCache(UnifiedRadixCache):
         super().flush_pending_backups()
         if self.tree_core.terminated:
             self.reclaim_terminated()
+        if self.metrics is not None:
+            self.metrics.maybe_publish(self)
 
     # ---- read-only views (served by /agentcache/stats and /agentcache/check) ----
 

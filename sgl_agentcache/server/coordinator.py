@@ -93,10 +93,20 @@ class PauseCoordinator:
     events: EventLog = field(default_factory=lambda: EventLog(os.environ.get(EVENT_LOG_ENV)))
 
     def __post_init__(self) -> None:
+        self._metrics = None  # created on first use, in a server with --enable-metrics
         self.active: dict[tuple[str, str, str], _Active] = {}
         self.leads: deque[float] = deque(maxlen=32)
         self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
                          "deadline_clipped": 0, "prefetch_refused_lead": 0}
+
+    def _count(self, event: str) -> None:
+        self.counters[event] += 1
+        if self._metrics is None:
+            from sgl_agentcache.server.metrics import CoordinatorMetrics, metrics_enabled
+
+            self._metrics = CoordinatorMetrics() if metrics_enabled() else False
+        if self._metrics:
+            self._metrics.count(event)
 
     @staticmethod
     def _args(namespace: str, session: str, branch: str) -> dict:
@@ -119,8 +129,9 @@ class PauseCoordinator:
             return status, result
         self.book.model(namespace, tool_class)  # the class is real now: keep its model in the book
         self._cancel(key)
-        self.counters["pauses"] += 1
-        self.counters["deadline_clipped"] += clipped
+        self._count("pauses")
+        if clipped:
+            self._count("deadline_clipped")
         if result.get("paused"):
             active = self.active[key] = _Active(tool_class, self.clock())
             active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
@@ -139,7 +150,7 @@ class PauseCoordinator:
                 self.leads.append(self.clock() - active.nearly_done_at)
             if active.timer is not None:
                 active.timer.cancel()
-            self.counters["resumes_by_request" if by_request else "resumes"] += 1
+            self._count("resumes_by_request" if by_request else "resumes")
         if by_request:  # the scheduler restores as it admits the request; nothing to send
             if active is not None:
                 self.events.emit("restoring", self._args(*key), tool_class=active.tool_class, by="request")
@@ -157,7 +168,7 @@ class PauseCoordinator:
         if active is None:
             return 404, {"error": f"branch {session}/{branch} is not paused (nothing changed)"}
         if len(self.leads) >= 8 and statistics.median(self.leads) < self.min_lead_s:
-            self.counters["prefetch_refused_lead"] += 1
+            self._count("prefetch_refused_lead")
             return 200, {"prefetched": False, "reason": f"prefetch lead time {statistics.median(self.leads):.3g} s "
                                                         f"< {self.min_lead_s:.3g} s: prefetch is off"}
         active.nearly_done_at = self.clock()
@@ -188,7 +199,7 @@ class PauseCoordinator:
             return
         self.active.pop(key, None)
         status, result = await self.send("expire", self._args(*key))
-        self.counters["deadline_expiries"] += 1
+        self._count("deadline_expiries")
         self.events.emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
         logger.info("agentcache: deadline of %s/%s passed: %s", key[1], key[2], result)
 

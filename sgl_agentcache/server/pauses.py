@@ -120,7 +120,7 @@ class PauseBook:
         # Device nodes host copies hang from -> how many copies (they rank like a stable prefix).
         self.anchors: dict = {}
         self.counters = {"decisions": {a.value: 0 for a in PauseAction}, "forced": 0, "kept_clipped": 0,
-                         "refused_closed": 0,
+                         "refused_closed": 0, "too_small": 0,
                          "offload_fallbacks": {"host_full": 0, "transfer_failed": 0},
                          "restores": 0, "restored_tokens": 0, "fork_restores": 0,
                          "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0},
@@ -209,6 +209,13 @@ class PauseBook:
                 raise ValueError("pause needs a latency distribution unless the action is forced")
             decision = decide(self.inputs(branch, latency, **inputs), self.settings.policy)
             action = decision.action
+            if action is PauseAction.RELEASE and decision.inputs.retained_tokens < self.settings.policy.min_tokens \
+                    and branch not in self.records:
+                # Too small to be worth a decision: not tracked, and left to ordinary eviction (freeing
+                # it would only cost a re-prefill if the branch comes back).
+                self.counters["too_small"] += 1
+                return {"paused": False, "action": "none", "tokens": decision.inputs.retained_tokens,
+                        "branch": branch.to_dict(), "tool_class": tool_class, "reason": decision.reason}
         else:
             action = force
             self.counters["forced"] += 1

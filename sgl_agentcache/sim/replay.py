@@ -461,7 +461,8 @@ class _Run:
         r.tenant_hit_rates = {t: c / max(n, 1) for t, (c, n) in sorted(self.tenant_tokens.items())}
         if self.agent:
             pauses = self.cache.pauses
-            r.decisions = dict(pauses.counters["decisions"]) | {"refused_closed": pauses.counters["refused_closed"]}
+            r.decisions = dict(pauses.counters["decisions"]) | {
+                "refused_closed": pauses.counters["refused_closed"], "too_small": pauses.counters["too_small"]}
             r.bytes_d2h = pauses.host.demotes.tokens * self.profile.kv_bytes_per_token
             r.bytes_h2d = pauses.host.promotes.tokens * self.profile.kv_bytes_per_token
             pf = pauses.prefetch

@@ -1,0 +1,112 @@
+"""Prometheus metrics ``sglang:agentcache_*``, in SGLang's multiprocess setup (with ``--enable-metrics``).
+
+SGLang runs prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``) and serves every
+process's samples at ``/metrics`` from the HTTP process. We add our own collectors the same way, with a
+``tp_rank`` label like SGLang's: the scheduler publishes the cache's state, the HTTP process its pause
+coordinator's. The scheduler side is refreshed from the cache's own counters at most once a second
+(:meth:`SchedulerMetrics.maybe_publish`, called every step): instrumentation stays out of the hot paths
+and out of every decision (the clock here only paces publishing).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def metrics_enabled() -> bool:
+    """True in a server started with ``--enable-metrics`` (SGLang then sets the multiprocess dir)."""
+    if _METRICS_DIR_ENV not in os.environ:
+        return False
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        return bool(get_observability().enable_metrics)
+    except Exception:  # noqa: BLE001 - no published config (offline caches): no metrics
+        return False
+
+
+class SchedulerMetrics:
+    """The cache's state and counters as Prometheus series (one instance per scheduler rank)."""
+
+    def __init__(self, tp_rank: int = 0, interval_s: float = 1.0):
+        from prometheus_client import Counter, Gauge
+
+        self.rank = str(tp_rank)
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._seen: dict[tuple, float] = {}
+        gauge = lambda name, doc, labels=(): Gauge(  # noqa: E731
+            f"sglang:agentcache_{name}", doc, labelnames=("tp_rank", *labels), multiprocess_mode="mostrecent")
+        counter = lambda name, doc, labels=(): Counter(  # noqa: E731
+            f"sglang:agentcache_{name}", doc, labelnames=("tp_rank", *labels))
+        self.resident = gauge("resident_tokens", "KV tokens resident per lifecycle class and tier", ("cls", "tier"))
+        self.pressure = gauge("eviction_pressure", "1 - device headroom (free + evictable/2) / pool")
+        self.paused = gauge("paused_branches", "Branches paused on a tool call, by where their KV is", ("placement",))
+        self.decisions = counter("pause_decisions", "Pause decisions applied, by kind", ("action",))
+        self.moved = counter("bytes_moved", "KV bytes moved between tiers", ("direction",))
+        self.prefetch = counter("prefetch", "Prefetch outcomes", ("outcome",))
+        self.deadline = counter("deadline_releases", "Pauses released at their deadline (every tier)")
+        self.quota = counter("quota_clips", "Inserts clipped or own nodes evicted by a branch quota", ("kind",))
+        self.faults = counter("transfer_fallbacks", "Offloads/restores that fell back to recompute", ("reason",))
+        self.reclaimed = counter("reclaimed_tokens", "Tokens freed because their branch ended")
+
+    def _inc(self, metric, labels: tuple, total: float) -> None:
+        """Counters are fed from cumulative totals: add what is new since the last publish."""
+        key = (id(metric), labels)
+        delta = total - self._seen.get(key, 0.0)
+        if delta > 0:
+            metric.labels(self.rank, *labels).inc(delta)
+            self._seen[key] = total
+
+    def maybe_publish(self, cache) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        self.publish(cache)
+
+    def publish(self, cache) -> None:
+        pauses, host = cache.pauses, cache.pauses.host
+        for cls, tokens in cache.resident_tokens_by_class().items():
+            self.resident.labels(self.rank, cls, "device").set(tokens)
+        self.resident.labels(self.rank, "paused", "host").set(host.used_tokens)
+        allocator = cache.token_to_kv_pool_allocator
+        headroom = (allocator.available_size() + 0.5 * cache.evictable_size()) / max(allocator.size, 1)
+        self.pressure.labels(self.rank).set(1.0 - min(headroom, 1.0))
+        placements: dict[str, int] = {"device": 0, "host": 0, "none": 0}
+        for record in pauses.records.values():
+            placements[record.placement.value] += 1
+        for placement, n in placements.items():
+            self.paused.labels(self.rank, placement).set(n)
+        for action, n in pauses.counters["decisions"].items():
+            self._inc(self.decisions, (action,), n)
+        bpt = pauses.settings.bytes_per_token
+        self._inc(self.moved, ("device_to_host",), host.demotes.tokens * bpt)
+        self._inc(self.moved, ("host_to_device",), host.promotes.tokens * bpt)
+        for outcome in ("issued", "used", "wasted", "refused_budget", "refused_room", "refused_queue",
+                        "refused_disabled"):
+            self._inc(self.prefetch, (outcome,), pauses.prefetch[outcome])
+        self._inc(self.deadline, (), pauses.counters["deadline_releases"])
+        self._inc(self.quota, ("clipped_inserts",), cache.quota_clipped_inserts)
+        self._inc(self.quota, ("evicted_tokens",), cache.quota_evicted_tokens)
+        for reason, n in pauses.counters["offload_fallbacks"].items():
+            self._inc(self.faults, (f"offload_{reason}",), n)
+        for reason, n in pauses.counters["restore_failures"].items():
+            self._inc(self.faults, (f"restore_{reason}",), n)
+        self._inc(self.reclaimed, (), cache.freed_on_close_tokens)
+
+
+class CoordinatorMetrics:
+    """The HTTP process's pause coordinator as Prometheus series."""
+
+    def __init__(self):
+        from prometheus_client import Counter
+
+        self.events = Counter("sglang:agentcache_pause_events", "Pause lifecycle events seen by the HTTP process",
+                              labelnames=("event",))
+
+    def count(self, event: str) -> None:
+        self.events.labels(event).inc()
