@@ -43,7 +43,7 @@ agent sessions on a server with 6 requests in flight, all of them alive at once,
 (20 histories of up to 1.7k tokens, plus the forks' scratch) is several times the 4096-token pool,
 which is the regime the claim is about. With the trace's own clock (sessions 0.2 s apart, tools of
 milliseconds) the overlap, hence the pressure, would depend on how fast this shared 2-core machine
-happens to be (passes of the same trace took 8 s to 150 s here, with other jobs running); with 0 the
+happens to be (passes of the same trace took 8 s to 170 s here, with other jobs running); with 0 the
 pause before a resume is the time the call waits for a free client, as on a saturated server.
 Latencies are reported but are machine-dependent; the claim is about tokens.
 

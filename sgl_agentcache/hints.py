@@ -25,8 +25,13 @@ Payload fields (a JSON object of at most :data:`MAX_PAYLOAD_BYTES` bytes; unknow
     The agent rewrote its history from this token offset (a summary, a dropped observation, spliced
     memory): the branch's old tokens past it that this prompt no longer shares become reclaimable.
     Reuse stays exact (identical tokens only); everything else is plainly re-prefilled.
-``tool_class``, ``deadline_ms``, ``priority``, ``prefetch``
-    Reserved for later capabilities: validated for type and range, not acted on yet.
+``tool_class`` (default none), ``deadline_ms``, ``priority``
+    The pause action: this call ends in a tool call of class ``tool_class``. When the call finishes
+    normally the branch pauses exactly as with ``POST /agentcache/pause`` (the server decides keep /
+    offload / discard; ``deadline_ms`` and ``priority`` as there), before the response is returned.
+    Ignored together with ``close``.
+``prefetch``
+    Reserved: validated, not acted on (use ``POST /agentcache/prefetch`` when a tool is nearly done).
 
 How the cache uses a hint: prompt tokens ``[0, stable_prefix_tokens)`` are classed STABLE; for a fork,
 ``[stable_prefix_tokens, fork_point_tokens)`` is the parent's SESSION history and the rest is the
@@ -102,7 +107,7 @@ class LifecycleHint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     fork_point_tokens: _Tokens | None = None
     close: bool = False
     edit_from_tokens: _Tokens | None = None
-    # Reserved for later capabilities: validated, not acted on yet.
+    # The pause action (see the module docstring); prefetch is reserved.
     tool_class: _ToolClass | None = None
     deadline_ms: _DeadlineMs | None = None
     priority: _Priority | None = None

@@ -187,3 +187,22 @@ def test_prometheus_metrics(server, tokens):
     assert _metric(text, "sglang:agentcache_resident_tokens", cls="stable", tier="device") > 0
     assert 0.0 <= _metric(text, "sglang:agentcache_eviction_pressure") <= 1.0
     assert _metric(text, "sglang:agentcache_pause_events_total", event="pauses") >= 1
+
+
+def test_pause_as_a_hint_action(server, tokens):
+    """``tool_class`` in the lifecycle hint: the branch pauses when the call finishes, before the
+    response comes back (the same decision as the route), and the next call resumes it."""
+    prompt = tokens.ids(300)
+    before = _stats(server)["pauses"]
+    body = {"input_ids": prompt, "extra_key": "hint-ns",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+            "kv_hints": lifecycle_envelope({"session": "hinted", "stable_prefix_tokens": STABLE,
+                                            "tool_class": "ci_run"}, message_id="m-hint")}
+    out = server.generate(body)
+    stats = _stats(server)
+    assert stats["pauses"]["decisions"]["offload"] == before["decisions"]["offload"] + 1
+    assert stats["pauses"]["recent_decisions"][-1]["branch"]["session"] == "hinted"
+    assert stats["coordinator"]["active_pauses"] >= 1
+    _, cached = _gen(server, prompt + out["output_ids"] + tokens.ids(20), "hinted", extra_key="hint-ns")
+    assert cached >= 300  # restored from host on the next call
+    _check(server)

@@ -13,9 +13,12 @@ it were ever invalid there, so no request can crash a scheduler through a hint.
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 from sgl_agentcache.hints import HINT_HEADER, HintError, find_lifecycle_hint, lifecycle_envelope, parse_header
+
+logger = logging.getLogger(__name__)
 
 _CONVERTERS = (
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request",
@@ -95,6 +98,47 @@ def _note_resumes(obj) -> None:
         coordinator.note_request(namespace, hint.session, hint.branch)
 
 
+def _pause_after(obj) -> tuple | None:
+    """(namespace, hint) when a single request's hint says the call ends in a tool call (``tool_class``)."""
+    from sgl_agentcache.lifecycle import namespace_key
+
+    if not getattr(obj, "kv_hints", None) or isinstance(obj.kv_hints, list):
+        return None
+    try:
+        hint = find_lifecycle_hint(obj.kv_hints)
+    except HintError:
+        return None  # the validation hook rejects it
+    if hint is None or hint.tool_class is None or hint.close:
+        return None
+    single = lambda v: v if not isinstance(v, list) else None  # noqa: E731
+    return namespace_key(single(getattr(obj, "extra_key", None)), single(getattr(obj, "cache_salt", None))), hint
+
+
+def _around_generate_request(original, tokenizer_manager, obj, *args, **kwargs):
+    """A hint with ``tool_class`` is a pause action: when the call finishes normally, the branch pauses
+    on that tool (decided and applied before the final response is returned, so the client sees it)."""
+    pause = _pause_after(obj)
+    gen = original(tokenizer_manager, obj, *args, **kwargs)
+    return gen if pause is None else _pausing(gen, *pause)
+
+
+async def _pausing(gen, namespace: str, hint):
+    from sgl_agentcache.server.http import coordinator
+
+    async for item in gen:
+        finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+        if finish is not None and not (isinstance(finish, dict) and finish.get("type") == "abort"):
+            try:
+                await coordinator.pause(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
+                                        deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
+                                        resume_required=True)
+            except Exception:  # noqa: BLE001 - a pause must never fail the call it follows
+                logger.warning("agentcache: pause action of %s/%s failed (the HTTP server's coordinator is "
+                               "needed; in an Engine call the pause op directly)", hint.session, hint.branch,
+                               exc_info=True)
+        yield item
+
+
 def _after_convert_to_internal_request(result, serving, request, raw_request=None, *args, **kwargs):
     values = raw_request.headers.getlist(HINT_HEADER) if raw_request is not None else []
     if not values:
@@ -116,6 +160,8 @@ def install() -> None:
     """Register the front-door hooks. Call only in the main (HTTP/Engine) process."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+                          _around_generate_request, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
                           _before_generate_request, HookType.BEFORE)
     for target in _CONVERTERS:
