@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo demo-server bench clean
+.PHONY: setup test test-fast demo demo-server bench soak clean
 
 ## setup: CPU dev/test virtualenv (CPU torch, sglang==0.5.23, exact lock, CPU shims, this package editable).
 ##        Reused while requirements/cpu-lock.txt, pyproject.toml, the shims and the script are unchanged.
@@ -34,6 +34,11 @@ bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --seeds 1,2,3 --scale 0.1 --out bench/results/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
+
+## soak: 8 minutes of concurrent agents (forks, pauses, closes, aborts, injected faults) on a fresh CPU
+##       server, then leak and integrity checks; writes bench/results/soak.json.
+soak: setup
+	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache soak --seconds 480 --workers 6 --out bench/results/soak.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_OUT)

@@ -338,7 +338,7 @@ def _agentcache_stats(server: CpuServer) -> dict:
 def run_backend(name: str, model, trace: Trace, plan: list[Step], cfg: dict, log_dir: Path) -> tuple[dict, list]:
     agent = name == "agentcache"
     log = log_dir / f"{name}.log"
-    env = {"SGL_AGENTCACHE_EVENT_LOG": str(log_dir / "agentcache-events.jsonl")} if agent else {}
+    env = {"AGENTCACHE_EVENT_LOG": str(log_dir / "agentcache-events.jsonl")} if agent else {}
     server = CpuServer(str(model.path), backend="agentcache" if agent else None, log_path=log,
                        max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env)
     with server.start():

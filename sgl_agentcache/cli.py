@@ -60,6 +60,18 @@ def _replay(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from sgl_agentcache.soak import run_standalone
+
+    report = run_standalone(args.seconds, args.workers, args.out, seed=args.seed)
+    print(json.dumps({k: v for k, v in report.items() if k != "resident_tokens"}, indent=1))
+    return 0 if report["passed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sgl-agentcache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(rp)
     rp.set_defaults(func=_replay)
+
+    soak = sub.add_parser("soak", help="soak a fresh CPU server with concurrent agents and faults, then check")
+    soak.add_argument("--seconds", type=float, default=480)
+    soak.add_argument("--workers", type=int, default=6)
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--out", help="write the report (JSON) here")
+    soak.set_defaults(func=_soak)
 
     trace = sub.add_parser("trace", help="agent-trajectory traces: generate, import, inspect").add_subparsers(
         dest="trace_command", required=True)

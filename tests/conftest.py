@@ -53,13 +53,13 @@ BRANCH_QUOTA_TOKENS = 512
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-log") / "sglang.log"
     srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report", "--enable-metrics"),
-                    env={"SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS),
+                    env={"AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS),
                          # Pause decisions priced as the seed's 36 KiB/token deployment, with operator
                          # priors for two tool classes (see tests/test_pauses_server.py).
-                         "SGL_AGENTCACHE_PROFILE": "seed",
-                         "SGL_AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
-                         "SGL_AGENTCACHE_FAULT_INJECTION": "1",
-                         "SGL_AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl")})
+                         "AGENTCACHE_PROFILE": "seed",
+                         "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
+                         "AGENTCACHE_FAULT_INJECTION": "1",
+                         "AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl")})
     srv.event_log = log.parent / "events.jsonl"
     with srv.start():
         yield srv

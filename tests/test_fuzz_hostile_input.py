@@ -89,7 +89,7 @@ PAUSE, RESUME, PREFETCH, FAULT = "/agentcache/pause", "/agentcache/resume", "/ag
 ROUTE_KINDS = {BRANCH_CLOSE: BranchRef, SESSION_CLOSE: SessionRef, PAUSE: PauseRef, RESUME: BranchRef,
                PREFETCH: PrefetchRef}
 POST_ROUTES = [*ROUTE_KINDS, FAULT]
-FAULT_ENV = "SGL_AGENTCACHE_FAULT_INJECTION"
+FAULT_ENV = "AGENTCACHE_FAULT_INJECTION"
 
 
 # --- a raw HTTP/1.1 client: any bytes in headers and bodies, and it sees dropped connections ---------

@@ -288,3 +288,21 @@ def test_repeated_pause_is_held_by_hysteresis_and_stats_report_it():
     assert stats["host"]["demote"]["count"] == 1  # the second evaluation moved nothing
     assert stats["recent_decisions"][-1]["action"] == "offload"
     h.assert_clean()
+
+
+def test_a_subagent_restore_brings_back_its_paused_leads_history_first():
+    """A lead pauses (offloaded) while a subagent forked from it pauses too; the lead's history is
+    then lost from the device. The subagent's restore brings the lead's copy back first."""
+    h = Harness(pool_tokens=2048)
+    lead_prompt = ids(1, 400)
+    h.turn("p", lead_prompt, [5, 6])
+    lead = lead_prompt + [5, 6]
+    fork_prompt = lead + ids(2, 200)
+    h.turn("p", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    assert h.pause("p", branch="w", force=PauseAction.OFFLOAD)["tokens"] > 0
+    # The lead cannot move while its subagent's nodes hang below it: offload it once they are gone.
+    assert h.pause("p", force=PauseAction.OFFLOAD)["action"] == "offload"
+    again = h.turn("p", fork_prompt + [7, 8], [9], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    assert again.cached_tokens == len(fork_prompt) + 1  # stable + lead history + the subagent's own
+    assert h.cache.pauses.counters["parent_restores"] == 1
+    h.assert_clean()

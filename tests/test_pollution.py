@@ -41,7 +41,7 @@ def mode_server(request, tiny_model, tmp_path_factory):
     mode = request.param
     log = tmp_path_factory.mktemp(f"pollution-{mode}") / "sglang.log"
     with CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=POOL,
-                   env={"SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS": "512"}, **MODES[mode]) as server:
+                   env={"AGENTCACHE_BRANCH_QUOTA_TOKENS": "512"}, **MODES[mode]) as server:
         yield mode, server
 
 

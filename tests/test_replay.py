@@ -38,6 +38,8 @@ def test_every_policy_serves_every_request_and_leaks_nothing(branch_heavy, resul
         assert 0 < r.hit_rate < 1, name
     for name in ("agentcache", "oracle"):  # lifecycle hints: closed branches are reclaimed, none leaked
         assert results[name].leaked_tokens == 0
+        assert results[name].reclaimed_tokens > 0 and results[name].reclaim_latencies_s
+        assert all(x >= 0 for x in results[name].reclaim_latencies_s)
     assert results["stock"].leaked_tokens is None and results["stock"].pauses == 0
 
 

@@ -90,7 +90,7 @@ def _run_server(server, steps):
 def _run_offline(record, stats, monkeypatch):
     from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
 
-    monkeypatch.setenv("SGL_AGENTCACHE_RECORD_EVICTIONS", "1")
+    monkeypatch.setenv("AGENTCACHE_RECORD_EVICTIONS", "1")
     cache = build_offline_cache(pool_tokens=stats["pool_tokens"], page_size=stats["page_size"], max_reqs=8,
                                 context_len=1024)
     cache.branch_quota_tokens, cache.session_quota_tokens = stats["branch_quota_tokens"], stats["session_quota_tokens"]
@@ -126,8 +126,8 @@ def _run_offline(record, stats, monkeypatch):
 def test_replayer_cache_takes_the_servers_decisions(tiny_model, tmp_path, monkeypatch):
     server = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL,
                        extra_args=("--enable-cache-report", "--skip-server-warmup"),
-                       env={"SGL_AGENTCACHE_RECORD_EVICTIONS": "1", "SGL_AGENTCACHE_PROFILE": "seed",
-                            "SGL_AGENTCACHE_TOOL_PRIORS": msgspec.json.encode(TOOL_PRIORS).decode()})
+                       env={"AGENTCACHE_RECORD_EVICTIONS": "1", "AGENTCACHE_PROFILE": "seed",
+                            "AGENTCACHE_TOOL_PRIORS": msgspec.json.encode(TOOL_PRIORS).decode()})
     with server.start():
         status, before = server.request("GET", "/agentcache/deletions")
         assert status == 200

@@ -44,8 +44,8 @@ from sgl_agentcache.server.tree_core import AgentTreeCore
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
 #: Server-side ceilings (tokens a branch may own in the tree); hints can never raise them.
-BRANCH_QUOTA_ENV = "SGL_AGENTCACHE_BRANCH_QUOTA_TOKENS"    # forked branches (subagents): pool / 4
-SESSION_QUOTA_ENV = "SGL_AGENTCACHE_SESSION_QUOTA_TOKENS"  # root branches (a session's history): pool / 2
+BRANCH_QUOTA_ENV = "AGENTCACHE_BRANCH_QUOTA_TOKENS"    # forked branches (subagents): pool / 4
+SESSION_QUOTA_ENV = "AGENTCACHE_SESSION_QUOTA_TOKENS"  # root branches (a session's history): pool / 2
 
 
 def _tp_rank() -> int:

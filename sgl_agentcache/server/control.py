@@ -102,10 +102,10 @@ def _session_close(scheduler, args: dict) -> dict:
 
 @op("deletions")
 def _deletions(scheduler, args: dict) -> dict:
-    """The recorded node deletions (needs SGL_AGENTCACHE_RECORD_EVICTIONS=1 in the server's env)."""
+    """The recorded node deletions (needs AGENTCACHE_RECORD_EVICTIONS=1 in the server's env)."""
     core = _agent_cache(scheduler).tree_core
     if core.deletions is None:
-        raise CtlError(409, "deletions are not recorded (start the server with SGL_AGENTCACHE_RECORD_EVICTIONS=1)")
+        raise CtlError(409, "deletions are not recorded (start the server with AGENTCACHE_RECORD_EVICTIONS=1)")
     return {"deletions": [list(d) for d in core.deletions]}
 
 
@@ -158,11 +158,11 @@ def _expire(scheduler, args: dict) -> dict:
 
 @op("fault")
 def _fault(scheduler, args: dict) -> dict:
-    """Test-only fault injection (``SGL_AGENTCACHE_FAULT_INJECTION=1``): fail the next transfers."""
+    """Test-only fault injection (``AGENTCACHE_FAULT_INJECTION=1``): fail the next transfers."""
     import os
 
-    if os.environ.get("SGL_AGENTCACHE_FAULT_INJECTION") != "1":
-        raise CtlError(403, "fault injection is disabled (set SGL_AGENTCACHE_FAULT_INJECTION=1)")
+    if os.environ.get("AGENTCACHE_FAULT_INJECTION") != "1":
+        raise CtlError(403, "fault injection is disabled (set AGENTCACHE_FAULT_INJECTION=1)")
     cache = _agent_cache(scheduler)
     try:
         cache.pauses.host.fail_next(str(args.get("kind")), int(args.get("count", 1)))

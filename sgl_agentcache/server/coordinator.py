@@ -7,15 +7,15 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
   (namespace, tool class), learned from the observed pause -> resume times) travels as a snapshot with
   each pause;
 - deadlines are timers here: when one fires, an ``expire`` message releases the branch on every tier.
-  ``deadline_ms`` is clipped to ``SGL_AGENTCACHE_MAX_RETENTION_S`` (default 600 s), and a pause with no
+  ``deadline_ms`` is clipped to ``AGENTCACHE_MAX_RETENTION_S`` (default 600 s), and a pause with no
   deadline gets that maximum: no tool may hold memory forever;
 - a resume is observed either from ``/agentcache/resume`` or from the branch's next request (the
   ingress hook), whichever comes first; the scheduler restores on that request anyway;
 - prefetch lead time (from "nearly done" to the actual resume) is measured here; when its median over
-  the last window falls below ``SGL_AGENTCACHE_PREFETCH_MIN_LEAD_MS`` prefetch is refused here (the
+  the last window falls below ``AGENTCACHE_PREFETCH_MIN_LEAD_MS`` prefetch is refused here (the
   scheduler separately turns it off when its precision falls).
 
-Every state change is appended to a JSONL event log when ``SGL_AGENTCACHE_EVENT_LOG`` names a file:
+Every state change is appended to a JSONL event log when ``AGENTCACHE_EVENT_LOG`` names a file:
 ``tool_wait`` (with the decision, retained tokens and bytes), ``restoring``/``decode`` (resume, with the
 restored tokens), ``cancelled`` (deadline), so tool wait is never counted as model latency.
 """
@@ -38,11 +38,11 @@ from sgl_agentcache.policy.distributions import LogNormal
 from sgl_agentcache.policy.latency import LatencyBook
 
 logger = logging.getLogger(__name__)
-MAX_RETENTION_ENV = "SGL_AGENTCACHE_MAX_RETENTION_S"
-MIN_LEAD_ENV = "SGL_AGENTCACHE_PREFETCH_MIN_LEAD_MS"
-EVENT_LOG_ENV = "SGL_AGENTCACHE_EVENT_LOG"
+MAX_RETENTION_ENV = "AGENTCACHE_MAX_RETENTION_S"
+MIN_LEAD_ENV = "AGENTCACHE_PREFETCH_MIN_LEAD_MS"
+EVENT_LOG_ENV = "AGENTCACHE_EVENT_LOG"
 #: JSON object: tool class -> {"median_s": ..., "sigma": ...}, the operator's cold-start prior per class.
-TOOL_PRIORS_ENV = "SGL_AGENTCACHE_TOOL_PRIORS"
+TOOL_PRIORS_ENV = "AGENTCACHE_TOOL_PRIORS"
 
 
 def tool_priors_from_env() -> dict[str, LogNormal]:

@@ -14,7 +14,7 @@ explicit move of one branch's private suffix, at a moment the policy chooses -- 
 start on CPU (``cudaHostRegister``, see ``docs/cpu-sglang-recipe.md``). This tier runs alongside
 HiCache when that is enabled on GPU; the two never hold the same node (ours holds evicted suffixes).
 
-Capacity is in tokens (``SGL_AGENTCACHE_HOST_TOKENS``, default 4x the device pool); a demote that
+Capacity is in tokens (``AGENTCACHE_HOST_TOKENS``, default 4x the device pool); a demote that
 does not fit is refused, never partial. Fault injection (``fail_next``) exists for tests: it makes
 the next transfers of a kind raise, exactly where a real transfer error would.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 from sgl_agentcache.lifecycle import BranchKey, NodeState
 
-HOST_TOKENS_ENV = "SGL_AGENTCACHE_HOST_TOKENS"
+HOST_TOKENS_ENV = "AGENTCACHE_HOST_TOKENS"
 
 
 class TransferError(RuntimeError):
@@ -48,6 +48,7 @@ class HostEntry:
     kv: list = field(repr=False)  # the allocator's CPU copy of each segment
     nbytes: int = 0
     anchor: Any = None  # the device node the copy hangs from (protected while the copy exists)
+    anchor_owner: BranchKey | None = None  # the branch that owns it (a fork's parent): restored first if gone
 
     @property
     def end(self) -> int:

@@ -60,7 +60,7 @@ async def check() -> JSONResponse:
 
 @router.get("/deletions")
 async def deletions() -> JSONResponse:
-    """Every node deletion so far, in order (diagnostics; needs SGL_AGENTCACHE_RECORD_EVICTIONS=1)."""
+    """Every node deletion so far, in order (diagnostics; needs AGENTCACHE_RECORD_EVICTIONS=1)."""
     return await _forward("deletions")
 
 
@@ -131,10 +131,10 @@ async def prefetch(request: Request) -> JSONResponse:
 
 @router.post("/fault")
 async def fault(request: Request) -> JSONResponse:
-    """Test-only: make the next host-tier transfers fail (403 unless SGL_AGENTCACHE_FAULT_INJECTION=1)."""
+    """Test-only: make the next host-tier transfers fail (403 unless AGENTCACHE_FAULT_INJECTION=1)."""
     import os
 
-    if os.environ.get("SGL_AGENTCACHE_FAULT_INJECTION") != "1":
+    if os.environ.get("AGENTCACHE_FAULT_INJECTION") != "1":
         return JSONResponse({"error": "fault injection is disabled"}, status_code=403)
     try:
         body = msgspec.json.decode(await request.body(), type=dict[str, str | int])

@@ -45,10 +45,10 @@ from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier, TransferE
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
 
-MAX_KEPT_BRANCHES_ENV = "SGL_AGENTCACHE_MAX_KEPT_BRANCHES"      # per namespace, default 16
-MAX_KEPT_TOKENS_ENV = "SGL_AGENTCACHE_MAX_KEPT_TOKENS"          # per namespace, default pool / 2
-PREFETCH_TOKENS_ENV = "SGL_AGENTCACHE_PREFETCH_BUDGET_TOKENS"   # unused speculative tokens per namespace
-PROFILE_ENV = "SGL_AGENTCACHE_PROFILE"                          # bandwidths and prefill rate for decisions
+MAX_KEPT_BRANCHES_ENV = "AGENTCACHE_MAX_KEPT_BRANCHES"      # per namespace, default 16
+MAX_KEPT_TOKENS_ENV = "AGENTCACHE_MAX_KEPT_TOKENS"          # per namespace, default pool / 2
+PREFETCH_TOKENS_ENV = "AGENTCACHE_PREFETCH_BUDGET_TOKENS"   # unused speculative tokens per namespace
+PROFILE_ENV = "AGENTCACHE_PROFILE"                          # bandwidths and prefill rate for decisions
 
 
 @dataclass
@@ -71,7 +71,7 @@ class PauseSettings:
 def default_settings(allocator, pool_tokens: int) -> PauseSettings:
     """Settings from the environment and the deployment profile.
 
-    Bandwidths and prefill rate come from the profile named by ``SGL_AGENTCACHE_PROFILE`` (default
+    Bandwidths and prefill rate come from the profile named by ``AGENTCACHE_PROFILE`` (default
     ``seed``; or the path of a profile written by ``bench/gpu/calibrate.py``). KV bytes per token are measured from the pool, unless the profile is named explicitly:
     then the profile's figure is used too (a tiny CPU test model priced as the deployment it stands for).
     """
@@ -122,7 +122,7 @@ class PauseBook:
         self.counters = {"decisions": {a.value: 0 for a in PauseAction}, "forced": 0, "kept_clipped": 0,
                          "refused_closed": 0, "too_small": 0,
                          "offload_fallbacks": {"host_full": 0, "transfer_failed": 0},
-                         "restores": 0, "restored_tokens": 0, "fork_restores": 0,
+                         "restores": 0, "restored_tokens": 0, "fork_restores": 0, "parent_restores": 0,
                          "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0},
                          "deadline_releases": 0, "released_tokens": 0}
         self.prefetch = {"issued": 0, "used": 0, "wasted": 0, "tokens_prefetched": 0, "tokens_used": 0,
@@ -338,7 +338,7 @@ class PauseBook:
             return None
         anchor = chain[0].parent
         if anchor is not core.root_node:
-            entry.anchor = anchor
+            entry.anchor, entry.anchor_owner = anchor, anchor.agent.owner
             self.anchors[anchor] = self.anchors.get(anchor, 0) + 1
         if not evict:
             return entry.num_tokens
@@ -348,7 +348,7 @@ class PauseBook:
 
     # ---- resume, prefetch, deadline, close ----
 
-    def _restore(self, branch: BranchKey, keep_host: bool = False) -> int:
+    def _restore(self, branch: BranchKey, keep_host: bool = False, _chain: frozenset = frozenset()) -> int:
         """Bring ``branch``'s host copy back into the tree; returns tokens restored (0: recompute).
         The host copy is deleted, unless ``keep_host`` and the restore succeeded (a speculative or
         fork-driven restore keeps it until the branch resumes: if the device copy is evicted again
@@ -360,6 +360,14 @@ class PauseBook:
         key = RadixKey(entry.tokens, entry.extra_key, cache_salt=entry.cache_salt)
         match = cache.match_prefix(MatchPrefixParams(key=key))
         have = match.device_prefix_len
+        parent = entry.anchor_owner
+        if have < entry.start and parent is not None and parent in self.host.entries and parent not in _chain:
+            # The prefix this copy hangs from is the parent's, and the parent has a host copy too (a
+            # lead offloaded while its subagents ran): bring the parent back first.
+            self._restore(parent, keep_host=True, _chain=_chain | {branch})
+            match = cache.match_prefix(MatchPrefixParams(key=key))
+            have = match.device_prefix_len
+            self.counters["parent_restores"] += 1
         if have < entry.start:
             self.counters["restore_failures"]["gap"] += 1
             self._drop_host(branch)

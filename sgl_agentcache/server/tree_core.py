@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
 
 
-RECORD_ENV = "SGL_AGENTCACHE_RECORD_EVICTIONS"
+RECORD_ENV = "AGENTCACHE_RECORD_EVICTIONS"
 
 
 class AgentTreeCore(UnifiedTreeCore):
@@ -37,7 +37,7 @@ class AgentTreeCore(UnifiedTreeCore):
         # Set before super().__init__: it calls reset(), which creates the root through _new_node.
         self.insert_state: Optional[NodeState] = None
         self.fresh: set[UnifiedTreeNode] = set()
-        # Every node deletion, in order, when SGL_AGENTCACHE_RECORD_EVICTIONS=1 (tests compare the
+        # Every node deletion, in order, when AGENTCACHE_RECORD_EVICTIONS=1 (tests compare the
         # server's decisions with the replayer's): (crc32 of the node's tokens, tokens, class).
         self.deletions: Optional[deque] = deque(maxlen=65536) if os.environ.get(RECORD_ENV) == "1" else None
         super().__init__(params, components)

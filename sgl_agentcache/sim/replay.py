@@ -68,6 +68,10 @@ class ReplayResult:
     recomputed_tokens: int = 0
     resume_latencies_s: list[float] = field(default_factory=list, repr=False)
     resume_queue_s: list[float] = field(default_factory=list, repr=False)
+    # From a close (or abort) event to the moment the branch's KV is reclaimed, for the policies that
+    # reclaim on close; a close waits for the branch's calls that came before it.
+    reclaim_latencies_s: list[float] = field(default_factory=list, repr=False)
+    reclaimed_tokens: int = 0
     queued_requests: int = 0
     refused_requests: int = 0
     pauses: int = 0
@@ -92,10 +96,12 @@ class ReplayResult:
         return _quantiles(self.resume_latencies_s)
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k not in ("resume_latencies_s", "resume_queue_s")}
+        out = {k: v for k, v in asdict(self).items()
+               if k not in ("resume_latencies_s", "resume_queue_s", "reclaim_latencies_s")}
         return out | {"hit_rate": self.hit_rate, "resume_s": self.resume_quantiles(),
                       "resume_mean_s": statistics.fmean(self.resume_latencies_s or [0.0]),
                       "resume_queue_s": _quantiles(self.resume_queue_s),
+                      "reclaim_latency_s": _quantiles(self.reclaim_latencies_s),
                       "fairness_jain": jain(list(self.tenant_hit_rates.values())),
                       "resume_latencies_s": [round(x, 6) for x in self.resume_latencies_s]}
 
@@ -418,6 +424,8 @@ class _Run:
                 return  # a close waits for the calls of its branch (session) that came before it
             if isinstance(record, Event):
                 self.apply_event(record)
+                if self.policy.hints and record.kind != "abort":
+                    self.result.reclaim_latencies_s.append(now - arrived)
                 if self.key(record) not in self.live:  # an abort freed the branch for its deferred calls
                     self.waiting.extend(self.deferred.pop(self.key(record), ()))
             elif not self.try_start(record, arrived, now):
@@ -476,6 +484,7 @@ class _Run:
             # Leaked: terminated tokens that nothing holds any more yet are still resident (must be 0).
             # Terminated nodes that other branches' nodes still hang below are shared, not leaked.
             core = self.cache.tree_core
+            r.reclaimed_tokens = self.cache.freed_on_close_tokens
             r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n))
             r.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - r.leaked_tokens
         self.sample(max((e.t for e in self.trace.records), default=0.0))

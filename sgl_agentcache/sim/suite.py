@@ -68,6 +68,7 @@ def _row(result: ReplayResult, stock: ReplayResult, workload: str, pressure: str
         "resume_p50_s": d["resume_s"]["p50"], "resume_p95_s": d["resume_s"]["p95"], "resume_p99_s": d["resume_s"]["p99"],
         "resume_p99_vs_stock": ratio(d["resume_s"]["p99"], base["resume_s"]["p99"]),
         "resume_queue_p50_s": d["resume_queue_s"]["p50"], "idle_kv_token_s": result.idle_kv_token_s,
+        "reclaim_latency_p99_s": d["reclaim_latency_s"]["p99"], "reclaimed_tokens": result.reclaimed_tokens,
         "bytes_d2h": result.bytes_d2h, "bytes_h2d": result.bytes_h2d, "decisions": result.decisions,
         "prefetch": result.prefetch, "fairness_jain": d["fairness_jain"], "leaked_tokens": result.leaked_tokens,
         "integrity_ok": result.integrity_ok, "wall_s": result.wall_s,
