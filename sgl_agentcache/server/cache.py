@@ -62,15 +62,6 @@ def namespace_of(req) -> str:
     return namespace_key(req.extra_key, req.cache_salt)
 
 
-def _depth(core, node) -> int:
-    """Token offset at which ``node``'s key starts (sum of its ancestors' key lengths)."""
-    depth, node = 0, node.parent
-    while node is not None and node is not core.root_node:
-        depth += len(node.key)
-        node = node.parent
-    return depth
-
-
 class _LifecycleStrategy:
     """``EvictionStrategy`` for components other than FULL (no session references there)."""
 
@@ -271,7 +262,7 @@ class AgentRadixCache(UnifiedRadixCache):
         for node in list(core.owner_index.get(owner, ())):
             if node in keep:
                 continue
-            start = _depth(core, node)
+            start = core.depth(node)
             # The tree splits at page boundaries only: the page holding ``edit_from`` goes with the
             # stale suffix (its shared head is re-prefilled; reuse stays exact).
             cut = edit_from - edit_from % self.page_size

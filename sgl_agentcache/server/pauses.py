@@ -141,10 +141,7 @@ class PauseBook:
         for node in core.owner_index.get(branch, ()):
             if node.component_data[FULL].value is None or node.agent.terminated:
                 continue
-            depth, x = 0, node
-            while x is not core.root_node:
-                depth += len(x.key)
-                x = x.parent
+            depth = core.depth(node) + len(node.key)
             if (depth, node.id) > (best_depth, -1 if best is None else best.id):
                 best, best_depth = node, depth
         return best
@@ -491,8 +488,7 @@ class PauseBook:
 
     def _prefetch_outcome(self, branch: BranchKey, record: PauseRecord, used: bool | None = None) -> None:
         if used is None:  # used iff the prefetched tokens are still on device when the request comes
-            used = sum(len(n.key) for n in self.cache.tree_core.owner_index.get(branch, ())
-                       if n.component_data[FULL].value is not None) >= record.prefetched_tokens
+            used = self.cache.tree_core.resident_owned_tokens(branch) >= record.prefetched_tokens
         kind = "used" if used else "wasted"
         self.prefetch[kind] += 1
         self.prefetch[f"tokens_{kind}"] += record.prefetched_tokens

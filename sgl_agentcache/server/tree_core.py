@@ -22,6 +22,7 @@ from array import array
 from collections import deque
 from typing import Optional
 
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
 
 from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
@@ -114,6 +115,19 @@ class AgentTreeCore(UnifiedTreeCore):
     def owned_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` is charged for: every node it owns, on any tier."""
         return self.owned_count.get(branch, 0)
+
+    def resident_owned_tokens(self, branch: BranchKey) -> int:
+        """Tokens ``branch`` owns that are on the device now (owned_tokens counts every tier)."""
+        full = ComponentType.FULL
+        return sum(len(n.key) for n in self.owner_index.get(branch, ()) if n.component_data[full].value is not None)
+
+    def depth(self, node: UnifiedTreeNode) -> int:
+        """Token offset at which ``node``'s key starts (the sum of its ancestors' key lengths)."""
+        depth, node = 0, node.parent
+        while node is not None and node is not self.root_node:
+            depth += len(node.key)
+            node = node.parent
+        return depth
 
     def take_fresh(self) -> set[UnifiedTreeNode]:
         fresh, self.fresh = self.fresh, set()

@@ -213,10 +213,7 @@ class _Run:
         return BranchKey(namespace_key(r.tenant, None), r.session, r.branch)
 
     def owned_on_device(self, branch: BranchKey) -> int:
-        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
-        nodes = self.cache.tree_core.owner_index.get(branch, ())
-        return sum(len(n.key) for n in nodes if n.component_data[ComponentType.FULL].value is not None)
+        return self.cache.tree_core.resident_owned_tokens(branch)
 
     # ---- requests ----
 
