@@ -75,6 +75,26 @@ def _overhead(body: dict) -> list[str]:
     ]
 
 
+def _soak(body: dict) -> list[str]:
+    calls = {k: v for k, v in body["calls"].items() if k not in ("race_close_overtook", "abandoned_sessions")}
+    faults = {k: calls.get(k, 0) for k in ("aborted_stream", "fault", "race_close", "branch_close")}
+    host = body["host_tokens"]
+    return [
+        f"Soak (`make soak`; {body['workers']} concurrent agents for {body['seconds']:.0f} s on a fresh CPU server): "
+        f"{sum(calls.values())} calls ({calls.get('generate', 0)} generations, {calls.get('session_close', 0)} "
+        f"sessions, {calls.get('pause', 0)} pauses); faults injected: {faults['aborted_stream']} client "
+        f"disconnects mid-stream, {faults['fault']} failed transfers armed, {faults['race_close']} closes racing "
+        f"an in-flight request, {body['calls'].get('abandoned_sessions', 0)} tools that never return "
+        f"({body.get('deadline_releases', 0)} deadline releases), duplicate closes; offload fallbacks "
+        f"{body['fallbacks']['offload']}. Unexplained "
+        f"failures {len(body['unexpected_failures'])}, leaked tokens {body['leaked_tokens']}, terminated tokens "
+        f"left {body['terminated_pending_tokens']}, host tier {host['before']} -> {host['after']} tokens, "
+        f"integrity check {'passed' if body['check_ok'] else 'FAILED'}, server "
+        f"{'healthy' if body['health'] == 200 else 'DOWN'}: {'pass' if body['passed'] else 'FAIL'}.",
+        "",
+    ]
+
+
 def render() -> str:
     lines = [BEGIN, ""]
     replay = RESULTS / "replay" / "results.json"
@@ -86,6 +106,9 @@ def render() -> str:
     overhead = RESULTS / "tree_overhead.json"
     if overhead.exists():
         lines += _overhead(json.loads(overhead.read_text()))
+    soak = RESULTS / "soak.json"
+    if soak.exists():
+        lines += _soak(json.loads(soak.read_text()))
     return "\n".join(lines + [END])
 
 

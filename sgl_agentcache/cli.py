@@ -72,6 +72,15 @@ def _soak(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def _tenant_key(args: argparse.Namespace) -> int:
+    from sgl_agentcache.tenancy import new_key
+
+    key, digest = new_key()
+    print(f"API key (give to the tenant, store nowhere else): {key}")
+    print(f'tenants file entry:                              keys = ["{digest}"]')
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sgl-agentcache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--out", help="write the report (JSON) here")
     soak.set_defaults(func=_soak)
 
+    key = sub.add_parser("tenant-key", help="print a new tenant API key and the hashed line for the tenants file")
+    key.set_defaults(func=_tenant_key)
     trace = sub.add_parser("trace", help="agent-trajectory traces: generate, import, inspect").add_subparsers(
         dest="trace_command", required=True)
     gen = trace.add_parser("gen", help="write a seeded synthetic trace of one workload class")

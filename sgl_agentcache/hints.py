@@ -68,7 +68,9 @@ __all__ = [
     "parse_header",
     "parse_payload",
     "parse_route_body",
+    "SessionOpen",
     "SessionRef",
+    "TenantRef",
 ]
 
 #: ``action_type`` of our action inside SGLang's ``kv_hints`` envelope.
@@ -271,6 +273,18 @@ class PrefetchRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     expected_remaining_ms: _DeadlineMs | None = None
     extra_key: _Namespace | None = None
     cache_salt: _Namespace | None = None
+
+
+class SessionOpen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /agentcache/session/open`` (tenancy): the wanted lifetime, clipped server-side."""
+
+    ttl_s: Annotated[int, msgspec.Meta(gt=0, le=30 * 86_400)] | None = None
+
+
+class TenantRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /agentcache/admin/purge``: the tenant whose state goes from every tier."""
+
+    tenant: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 def parse_route_body(body: bytes, kind: type):

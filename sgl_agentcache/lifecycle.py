@@ -137,6 +137,9 @@ class RecentBranches:
         while len(self._branches) > self.limit:
             self._branches.popitem(last=False)
 
+    def discard(self, branch: BranchKey) -> None:
+        self._branches.pop(branch, None)
+
     def __contains__(self, branch: object) -> bool:
         return branch in self._branches
 

@@ -2,7 +2,9 @@
 streams, duplicate closes and injected transfer faults; then everything is closed and checked.
 
 Each worker owns its sessions (no cross-worker races by construction), so every call has a known
-expected outcome and any other outcome is an unexplained failure. At the end: every branch closed,
+expected outcome and any other outcome is an unexplained failure; the one deliberate race, a close of a
+subagent branch while its request is in flight, has two allowed outcomes for the close (see
+:meth:`Soak._close_racing_request`). At the end: every branch closed,
 zero tokens owned by closed branches, nothing terminated left resident, the host tier empty, the tree
 check passes with the scheduler idle, and the server is healthy. Loopback only; bounded in time and
 in prompt length (under the server's context length); token ids always in ``[3, vocab)``.
@@ -78,6 +80,24 @@ class Soak:
         finally:
             conn.close()
 
+    def _close_racing_request(self, rng, session: str, branch: str, prompt: list[int]) -> None:
+        """A subagent's request in flight while its branch is closed: the request still succeeds (its
+        tokens are born or become terminated and are freed when it releases); the close answers 200, or
+        404 when it overtakes the request before the server has seen the branch, in which case the
+        harness closes it again once the request has returned."""
+        worker = threading.Thread(target=self._gen, args=(rng, session, branch, prompt),
+                                  kwargs={"parent_branch": "main", "fork_point_tokens": len(prompt) - 40})
+        worker.start()
+        time.sleep(rng.uniform(0.0, 0.05))
+        body = {"session": session, "branch": branch}
+        status, out = self.server.request("POST", "/agentcache/branch/close", body)
+        self._note("race_close", status in (200, 404), f"{status} {out}")
+        worker.join(120)
+        if status == 404:
+            with self.lock:
+                self.counts["race_close_overtook"] += 1
+            self._post("branch_close", "/agentcache/branch/close", body)
+
     # ---- one agent ----
 
     def _worker(self, index: int) -> None:
@@ -86,6 +106,7 @@ class Soak:
         deadline = time.monotonic() + self.seconds
         serial = 0
         s: _Session | None = None
+        abandoned: list[str] = []
         while time.monotonic() < deadline:
             if s is None or len(s.history) > MAX_PROMPT:
                 if s is not None:
@@ -95,8 +116,8 @@ class Soak:
                 prompt = self.system + ids(120)
                 s.history = prompt + (self._gen(rng, s.name, "main", prompt) or [])
                 continue
-            op = rng.choices(["turn", "fork", "pause", "close_fork", "abort", "dup_close", "fault"],
-                             weights=[5, 2, 2, 1, 1, 1, 1 if self.faults else 0])[0]
+            op = rng.choices(["turn", "fork", "pause", "close_fork", "abort", "dup_close", "race", "abandon", "fault"],
+                             weights=[5, 2, 2, 1, 1, 1, 1, 1, 1 if self.faults else 0])[0]
             if op == "turn":
                 prompt = s.history + ids(rng.randrange(20, 80))
                 out = self._gen(rng, s.name, "main", prompt)
@@ -123,10 +144,24 @@ class Soak:
                 branch = s.forks.pop()
                 for _ in range(2):  # the second close is idempotent
                     self._post("branch_close", "/agentcache/branch/close", {"session": s.name, "branch": branch})
+            elif op == "abandon" and len(s.history) > 200:
+                # A tool that never returns: pause with a short deadline and never come back. The
+                # deadline releases the branch on every tier; the session is closed at the very end.
+                self._post("pause", "/agentcache/pause", {"session": s.name, "tool_class": "ci_run",
+                                                          "deadline_ms": 1000})
+                abandoned.append(s.name)
+                s = None
+            elif op == "race":
+                self._close_racing_request(rng, s.name, f"r{serial}-{rng.randrange(10**6)}", s.history + ids(40))
             elif op == "fault":
                 self._post("fault", "/agentcache/fault", {"kind": rng.choice(["demote", "promote"]), "count": 1})
         if s is not None:
             self._post("session_close", "/agentcache/session/close", {"session": s.name})
+        time.sleep(1.5)  # the last abandoned pauses reach their deadline first
+        for name in abandoned:
+            self._post("session_close", "/agentcache/session/close", {"session": name})
+        with self.lock:
+            self.counts["abandoned_sessions"] += len(abandoned)
 
     # ---- the run ----
 
@@ -153,6 +188,7 @@ class Soak:
                             "after": stats["pauses"]["host"]["used_tokens"]},
             "resident_tokens": {"before": before["resident_tokens"], "after": stats["resident_tokens"]},
             "pause_decisions": stats["pauses"]["decisions"],
+            "deadline_releases": stats["pauses"]["deadline_releases"] - before["pauses"]["deadline_releases"],
             "fallbacks": {"offload": stats["pauses"]["offload_fallbacks"],
                           "restore": stats["pauses"]["restore_failures"]},
         }
@@ -171,6 +207,8 @@ def run_standalone(seconds: float, workers: int, out_path: str | None, seed: int
         server = CpuServer(str(model.path), log_path=Path(tmp) / "sglang.log", max_total_tokens=4096,
                            extra_args=("--enable-cache-report",),
                            env={"AGENTCACHE_FAULT_INJECTION": "1", "AGENTCACHE_PROFILE": "seed",
+                                # A host tier of half the pool: offloads also meet a full host tier.
+                                "AGENTCACHE_HOST_TOKENS": "2048",
                                 "AGENTCACHE_TOOL_PRIORS": json.dumps({"grep": {"median_s": 0.02, "sigma": 0.5},
                                                                           "ci_run": {"median_s": 60.0, "sigma": 1.5}})})
         with server.start():

@@ -270,6 +270,13 @@ class LatencyBook:
         """Record a completed tool call; returns its PIT value (see :meth:`LatencyModel.observe`)."""
         return self.model(tenant, tool_class).observe(duration_s)
 
+    def forget_namespace(self, tenant: str) -> int:
+        """Drop every model learned for ``tenant`` (a purge); returns how many went."""
+        keys = [k for k in self._models if k[0] == tenant]
+        for key in keys:
+            del self._models[key]
+        return len(keys)
+
     def __len__(self) -> int:
         return len(self._models)
 

@@ -340,6 +340,32 @@ class AgentRadixCache(UnifiedRadixCache):
         results = [self.close_branch(b) for b in sorted(branches, key=lambda b: (b.namespace, b.branch))]
         return {"branches": len(branches), "freed_tokens": sum(r.get("freed_tokens", 0) for r in results)}
 
+    def purge_salt(self, salt: str) -> dict:
+        """Remove every trace of the namespaces salted ``salt`` (one tenant) from every tier.
+
+        Every branch of it is closed (host copies, pins and prefetch state go with it), then every
+        unlocked node of its subtrees is deleted, whatever its class (stable prefixes too). Nodes that a
+        running request still locks are reported as ``locked_tokens``; they stay cached for the rest of
+        that request only as ordinary evictable nodes of the tenant's namespace.
+        """
+        suffix = "|" + salt
+        pauses = self.pauses
+        branches = {b for b in (set(self.tree_core.owner_index) | set(self.seen) | set(pauses.host.entries)
+                                | set(pauses.records)) if b.namespace.endswith(suffix)}
+        host_before = pauses.host.used_tokens
+        freed = 0
+        for branch in sorted(branches, key=lambda b: (b.namespace, b.session, b.branch)):
+            freed += self.close_branch(branch).get("freed_tokens", 0)
+            self.seen.discard(branch)
+        freed += self._evict_nodes(self._salted_nodes(salt), budget=None)
+        locked = sum(len(n.key) for n in self._salted_nodes(salt) if n.component_data[FULL].value is not None)
+        return {"branches_closed": len(branches), "freed_tokens": freed,
+                "host_freed_tokens": host_before - pauses.host.used_tokens, "locked_tokens": locked}
+
+    def _salted_nodes(self, salt: str) -> list:
+        core = self.tree_core
+        return [n for n in core.all_nodes() if n is not core.root_node and getattr(n.key, "cache_salt", None) == salt]
+
     def reclaim_terminated(self) -> int:
         """Free every terminated node that is an unlocked device leaf, bottom-up. Returns tokens freed."""
         core = self.tree_core
@@ -444,6 +470,31 @@ class AgentRadixCache(UnifiedRadixCache):
             "invalid_hints": self.invalid_hints,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
+        }
+
+    def namespace_stats(self, namespace: str) -> dict:
+        """One namespace's own view of the cache (what a tenant may read: nothing of anyone else's)."""
+        core, pauses = self.tree_core, self.pauses
+        resident = {"stable": 0, "session": 0, "scratch": 0, "untagged": 0, "terminated": 0}
+        for node in core.all_nodes():
+            value = node.component_data[FULL].value
+            if node is core.root_node or value is None:
+                continue
+            if namespace_key(getattr(node.key, "extra_key", None), getattr(node.key, "cache_salt", None)) == namespace:
+                resident["terminated" if node.agent.terminated else node.agent.cls.name.lower()] += len(value)
+        branches = sorted((b for b in core.owner_index if b.namespace == namespace),
+                          key=lambda b: (b.session, b.branch))
+        kept = [t for b, t in pauses.kept.items() if b.namespace == namespace]
+        return {
+            "namespace": namespace,
+            "resident_tokens": resident,
+            "host_tokens": sum(pauses.host.tokens_of(b) for b in pauses.host.entries if b.namespace == namespace),
+            "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "closed": b in self.closed}
+                         for b in branches],
+            "paused_branches": sum(b.namespace == namespace for b in pauses.records),
+            "kept_branches": len(kept), "kept_tokens": sum(kept),
+            "branch_quota_tokens": self.branch_quota_tokens,
+            "session_quota_tokens": self.session_quota_tokens,
         }
 
     def check_integrity(self, *, idle: bool) -> IntegrityReport:

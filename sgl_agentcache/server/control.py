@@ -72,7 +72,15 @@ def _scheduler_idle(scheduler) -> bool:
 
 @op("stats")
 def _stats(scheduler, args: dict) -> dict:
-    return _agent_cache(scheduler).agent_stats()
+    """Everything (operators, no tenancy), or one namespace's own view (``namespace``: a tenant's)."""
+    cache = _agent_cache(scheduler)
+    return cache.namespace_stats(args["namespace"]) if args.get("namespace") else cache.agent_stats()
+
+
+@op("purge")
+def _purge(scheduler, args: dict) -> dict:
+    """Remove every trace of one cache salt (a tenant) from every tier; locked nodes are reported."""
+    return _agent_cache(scheduler).purge_salt(str(args["cache_salt"]))
 
 
 @op("check")
@@ -133,7 +141,7 @@ def _pause(scheduler, args: dict) -> dict:
         latency = LatencyModel.from_snapshot(msgspec.convert(args["latency"], LatencySnapshot))
     force = PauseAction(args["force"]) if args.get("force") else None
     result = cache.pauses.pause(
-        branch, latency, tool_class=args.get("tool_class", "default"), force=force,
+        branch, latency, tool_class=args.get("tool_class", "default"), force=force, caps=args.get("caps"),
         **{k: args[k] for k in ("elapsed_s", "deadline_s", "priority", "resume_probability", "prefetch_lead_s")
            if k in args})
     if not result["paused"] and result.get("reason") == "branch is closed":
@@ -148,7 +156,8 @@ def _resume(scheduler, args: dict) -> dict:
 
 @op("prefetch")
 def _prefetch(scheduler, args: dict) -> dict:
-    return _agent_cache(scheduler).pauses.prefetch_branch(_branch(args), queued=len(scheduler.waiting_queue))
+    return _agent_cache(scheduler).pauses.prefetch_branch(_branch(args), queued=len(scheduler.waiting_queue),
+                                                          caps=args.get("caps"))
 
 
 @op("expire")

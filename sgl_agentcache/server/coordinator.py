@@ -70,14 +70,15 @@ class _Active:
 class EventLog:
     """Append-only JSONL of trajectory states; a no-op without a path."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, kind_key: str = "state"):
         self.path = path
+        self.kind_key = kind_key
         self.written = 0
 
     def emit(self, state: str, branch: dict, **fields) -> None:
         if not self.path:
             return
-        record = {"ts": time.time(), "state": state, **branch, **fields}
+        record = {"ts": time.time(), self.kind_key: state, **branch, **fields}
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
         self.written += 1
@@ -113,10 +114,15 @@ class PauseCoordinator:
         return {"namespace": namespace, "session": session, "branch": branch}
 
     async def pause(self, namespace: str, session: str, branch: str, *, tool_class: str, deadline_ms: int | None,
-                    priority: int, resume_required: bool) -> tuple[int, dict]:
+                    priority: int, resume_required: bool, ceilings=None) -> tuple[int, dict]:
+        """``ceilings`` (a tenant's :class:`~sgl_agentcache.tenancy.Ceilings`) can only lower the
+        maximum retention and the scheduler's caps on kept branches and tokens."""
         key = (namespace, session, branch)
-        deadline_s = self.max_retention_s
-        clipped = deadline_ms is not None and deadline_ms / 1000 > self.max_retention_s
+        max_retention = self.max_retention_s
+        if ceilings is not None and ceilings.max_retention_s is not None:
+            max_retention = min(max_retention, ceilings.max_retention_s)
+        deadline_s = max_retention
+        clipped = deadline_ms is not None and deadline_ms / 1000 > max_retention
         if deadline_ms is not None and not clipped:
             deadline_s = deadline_ms / 1000
         # peek, not model: a pause the scheduler refuses must not create (or refresh) a book entry.
@@ -124,6 +130,8 @@ class PauseCoordinator:
         args = self._args(*key) | {
             "tool_class": tool_class, "latency": msgspec.to_builtins(model.snapshot()), "deadline_s": deadline_s,
             "priority": priority, "resume_probability": 1.0 if resume_required else 0.5}
+        if ceilings is not None and ceilings.caps():
+            args["caps"] = ceilings.caps()
         status, result = await self.send("pause", args)
         if status != 200:
             return status, result
@@ -162,7 +170,7 @@ class PauseCoordinator:
         return status, result
 
     async def prefetch(self, namespace: str, session: str, branch: str,
-                       expected_remaining_ms: int | None) -> tuple[int, dict]:
+                       expected_remaining_ms: int | None, ceilings=None) -> tuple[int, dict]:
         key = (namespace, session, branch)
         active = self.active.get(key)
         if active is None:
@@ -172,7 +180,8 @@ class PauseCoordinator:
             return 200, {"prefetched": False, "reason": f"prefetch lead time {statistics.median(self.leads):.3g} s "
                                                         f"< {self.min_lead_s:.3g} s: prefetch is off"}
         active.nearly_done_at = self.clock()
-        status, result = await self.send("prefetch", self._args(*key))
+        caps = ceilings.caps() if ceilings is not None else {}
+        status, result = await self.send("prefetch", self._args(*key) | ({"caps": caps} if caps else {}))
         self.events.emit("restoring", self._args(*key), speculative=True,
                          restored_tokens=result.get("restored_tokens"), expected_remaining_ms=expected_remaining_ms)
         return status, result
@@ -187,6 +196,14 @@ class PauseCoordinator:
         for key in [k for k in self.active if k[0] == namespace and k[1] == session
                     and (branch is None or k[2] == branch)]:
             self._cancel(key)
+
+    def purge(self, namespace: str) -> int:
+        """A tenant was purged: its timers and its learned tool latencies go. Returns pauses dropped."""
+        keys = [k for k in self.active if k[0] == namespace]
+        for key in keys:
+            self._cancel(key)
+        self.book.forget_namespace(namespace)
+        return len(keys)
 
     def _cancel(self, key) -> None:
         active = self.active.pop(key, None)
@@ -203,7 +220,13 @@ class PauseCoordinator:
         self.events.emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
         logger.info("agentcache: deadline of %s/%s passed: %s", key[1], key[2], result)
 
-    def stats(self) -> dict:
+    def stats(self, namespace: str | None = None) -> dict:
+        """Everything, or (``namespace``) only what that namespace may see of its own pauses."""
+        if namespace is not None:
+            return {"active_pauses": sum(k[0] == namespace for k in self.active),
+                    "latency_models": {c: {"observations": m.observations, "p50_s": m.quantile(0.5),
+                                           "p99_s": m.quantile(0.99)}
+                                       for (t, c), m in list(self.book._models.items()) if t == namespace}}
         models = {f"{t}/{c}": {"observations": m.observations, "p50_s": m.quantile(0.5), "p99_s": m.quantile(0.99)}
                   for (t, c), m in list(self.book._models.items())[-32:]}
         return {"active_pauses": len(self.active), **self.counters, "latency_models": models,

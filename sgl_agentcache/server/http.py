@@ -1,20 +1,27 @@
 """The ``/agentcache/*`` routes, added to SGLang's own FastAPI app in the HTTP server process.
 
 Handlers only translate HTTP to a control message (``control.call_schedulers``) and back; all cache
-logic runs in the scheduler. SGLang's ``--api-key`` middleware covers these routes too.
+logic runs in the scheduler. SGLang's ``--api-key`` middleware covers these routes too; with tenancy on
+(``AGENTCACHE_TENANTS``) every call is bound to the caller's tenant namespace (see ``auth.py``).
 """
 
 from __future__ import annotations
+
+import time
+from typing import NamedTuple
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from sgl_agentcache import BACKEND_NAME, __version__
-from sgl_agentcache.hints import BranchRef, HintError, PauseRef, PrefetchRef, SessionRef, parse_route_body
+from sgl_agentcache.hints import (BranchRef, HintError, PauseRef, PrefetchRef, SessionOpen, SessionRef, TenantRef,
+                                  parse_route_body)
 from sgl_agentcache.lifecycle import namespace_key
+from sgl_agentcache.server import auth
 from sgl_agentcache.server.control import call_schedulers
 from sgl_agentcache.server.coordinator import PauseCoordinator
+from sgl_agentcache.tenancy import Ceilings, CredentialError, Identity
 
 router = APIRouter(prefix="/agentcache", tags=["agentcache"])
 
@@ -45,11 +52,48 @@ async def _forward(op_name: str, args: dict | None = None, extra: dict | None = 
     return JSONResponse(body, status_code=reply.status)
 
 
+class _Scope(NamedTuple):
+    """What a route call may touch: its parsed body, its namespace, the caller and their ceilings."""
+
+    ref: object
+    namespace: str
+    identity: Identity | None
+    ceilings: Ceilings | None
+
+
+async def _scoped(request: Request, kind: type) -> _Scope | JSONResponse:
+    """Parse the body and bind the call to a namespace: with tenancy, the authenticated tenant's (a
+    body ``extra_key`` / ``cache_salt`` is ignored, counted and audited) after its session credential
+    is checked (401/403, nothing changed); without, the body's own."""
+    ref, error = await _body(request, kind)
+    if error is not None:
+        return error
+    if auth.tenancy is None:
+        return _Scope(ref, namespace_key(ref.extra_key, ref.cache_salt), None, None)
+    identity, path = auth.identity_of(request), request.url.path
+    try:
+        auth.check_session(identity, ref.session, path)
+    except CredentialError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+    if ref.extra_key or ref.cache_salt:
+        auth.trust.note_overwrite(identity.tenant, path)
+    return _Scope(ref, namespace_key(None, auth.bound_salt(identity)), identity, auth.ceilings_for(identity))
+
+
 @router.get("/stats")
-async def stats() -> JSONResponse:
-    """Backend identity, resident tokens per lifecycle class, size counters (scheduler rank 0's tree)."""
-    return await _forward("stats", extra={"backend": BACKEND_NAME, "version": __version__,
-                                          "coordinator": coordinator.stats()})
+async def stats(request: Request) -> JSONResponse:
+    """Operators (and every caller without tenancy): backend identity, resident tokens per lifecycle
+    class, size counters (scheduler rank 0's tree). A tenant: its own namespace only."""
+    identity = auth.identity_of(request)
+    if auth.tenancy is not None and identity is not None and identity.tenant is not None:
+        namespace = namespace_key(None, auth.bound_salt(identity))
+        return await _forward("stats", {"namespace": namespace}, extra={
+            "tenant": identity.tenant, "ceilings": msgspec.to_builtins(auth.ceilings_for(identity)),
+            "coordinator": coordinator.stats(namespace)})
+    extra = {"backend": BACKEND_NAME, "version": __version__, "coordinator": coordinator.stats()}
+    if auth.tenancy is not None:
+        extra["trust"] = auth.trust.stats()
+    return await _forward("stats", extra=extra)
 
 
 @router.get("/check")
@@ -64,32 +108,50 @@ async def deletions() -> JSONResponse:
     return await _forward("deletions")
 
 
+@router.post("/session/open")
+async def session_open(request: Request) -> JSONResponse:
+    """Issue a session credential to the calling tenant (tenancy on). Body: ``{"ttl_s"?: int}``, clipped
+    to the tenant's ``max_session_ttl_s``. The credential is the session id to use in hints and routes."""
+    if auth.tenancy is None:
+        return JSONResponse({"error": "tenancy is off on this server: any session id works"}, status_code=409)
+    ref, error = await _body(request, SessionOpen)
+    if error is not None:
+        return error
+    identity = auth.identity_of(request)
+    session, expiry, clipped = auth.tenancy.issue_session(identity.tenant, time.time(), ref.ttl_s)
+    if clipped:
+        auth.trust.clip(identity.tenant, "ttl_s", ref.ttl_s, expiry - int(time.time()), path=request.url.path)
+    auth.trust.record("session_opened", identity.tenant, expires_at=expiry)
+    return JSONResponse({"session": session, "expires_at": expiry, "tenant": identity.tenant})
+
+
 @router.post("/branch/close")
 async def branch_close(request: Request) -> JSONResponse:
     """Terminate a branch: its private nodes are freed now (locked ones when their request ends).
 
-    Body: ``{"session": ..., "branch": ..., "extra_key"?: ..., "cache_salt"?: ...}``. 404 for a branch
-    the server has never seen; closing an already-closed branch is idempotent.
+    Body: ``{"session": ..., "branch": ...}`` (and, without tenancy, ``extra_key`` / ``cache_salt``).
+    404 for a branch the server has never seen; closing an already-closed branch is idempotent.
     """
-    try:
-        ref = parse_route_body(await request.body(), BranchRef)
-    except HintError as exc:
-        return JSONResponse({"error": str(exc)}, status_code=400)
-    namespace = namespace_key(ref.extra_key, ref.cache_salt)
-    coordinator.forget(namespace, ref.session, ref.branch)
-    return await _forward("branch_close", {"namespace": namespace, "session": ref.session, "branch": ref.branch})
+    scope = await _scoped(request, BranchRef)
+    if isinstance(scope, JSONResponse):
+        return scope
+    ref = scope.ref
+    coordinator.forget(scope.namespace, ref.session, ref.branch)
+    return await _forward("branch_close", {"namespace": scope.namespace, "session": ref.session, "branch": ref.branch})
 
 
 @router.post("/session/close")
 async def session_close(request: Request) -> JSONResponse:
-    """Terminate every branch of a session (same body as branch close, without ``branch``)."""
-    try:
-        ref = parse_route_body(await request.body(), SessionRef)
-    except HintError as exc:
-        return JSONResponse({"error": str(exc)}, status_code=400)
-    namespace = namespace_key(ref.extra_key, ref.cache_salt)
-    coordinator.forget(namespace, ref.session)
-    return await _forward("session_close", {"namespace": namespace, "session": ref.session})
+    """Terminate every branch of a session (same body as branch close, without ``branch``). With
+    tenancy the session's credential is retired: using it again is a 403."""
+    scope = await _scoped(request, SessionRef)
+    if isinstance(scope, JSONResponse):
+        return scope
+    ref = scope.ref
+    coordinator.forget(scope.namespace, ref.session)
+    if scope.identity is not None:
+        auth.tenancy.tombstone(scope.identity.tenant, ref.session, time.time())
+    return await _forward("session_close", {"namespace": scope.namespace, "session": ref.session})
 
 
 @router.post("/pause")
@@ -99,34 +161,58 @@ async def pause(request: Request) -> JSONResponse:
     Body: :class:`~sgl_agentcache.hints.PauseRef`. The reply carries the decision, the tokens it
     concerned, the expected cost of each option and the (clipped) deadline. 404 for an unknown branch.
     """
-    ref, error = await _body(request, PauseRef)
-    if error is not None:
-        return error
+    scope = await _scoped(request, PauseRef)
+    if isinstance(scope, JSONResponse):
+        return scope
+    ref = scope.ref
+    asked = {"deadline_ms": ref.deadline_ms, "priority": ref.priority}
+    clipped = auth.clip(scope.identity, asked, request.url.path)
     status, result = await coordinator.pause(
-        namespace_key(ref.extra_key, ref.cache_salt), ref.session, ref.branch, tool_class=ref.tool_class,
-        deadline_ms=ref.deadline_ms, priority=ref.priority, resume_required=ref.resume_required)
+        scope.namespace, ref.session, ref.branch, tool_class=ref.tool_class, deadline_ms=asked["deadline_ms"],
+        priority=asked["priority"], resume_required=ref.resume_required, ceilings=scope.ceilings)
+    if clipped and status == 200:
+        result = result | {"clipped": {k: {"asked": a, "granted": g} for k, (a, g) in clipped.items()}}
     return JSONResponse(result, status_code=status)
 
 
 @router.post("/resume")
 async def resume(request: Request) -> JSONResponse:
     """The tool returned: restore (or unpin) now. The branch's next request does the same by itself."""
-    ref, error = await _body(request, BranchRef)
-    if error is not None:
-        return error
-    status, result = await coordinator.resume(namespace_key(ref.extra_key, ref.cache_salt), ref.session, ref.branch)
+    scope = await _scoped(request, BranchRef)
+    if isinstance(scope, JSONResponse):
+        return scope
+    status, result = await coordinator.resume(scope.namespace, scope.ref.session, scope.ref.branch)
     return JSONResponse(result, status_code=status)
 
 
 @router.post("/prefetch")
 async def prefetch(request: Request) -> JSONResponse:
     """The tool is nearly done: restore from host ahead of the request, within the speculative budget."""
-    ref, error = await _body(request, PrefetchRef)
+    scope = await _scoped(request, PrefetchRef)
+    if isinstance(scope, JSONResponse):
+        return scope
+    ref = scope.ref
+    status, result = await coordinator.prefetch(scope.namespace, ref.session, ref.branch, ref.expected_remaining_ms,
+                                                ceilings=scope.ceilings)
+    return JSONResponse(result, status_code=status)
+
+
+@router.post("/admin/purge")
+async def purge(request: Request) -> JSONResponse:
+    """Operators: remove a whole tenant's state from every tier (device tree, host tier, pins, prefetch,
+    timers, learned tool latencies). Body ``{"tenant": ...}``; 404 for an unknown tenant."""
+    if auth.tenancy is None:
+        return JSONResponse({"error": "tenancy is off on this server: there are no tenants"}, status_code=409)
+    ref, error = await _body(request, TenantRef)
     if error is not None:
         return error
-    status, result = await coordinator.prefetch(namespace_key(ref.extra_key, ref.cache_salt), ref.session,
-                                                ref.branch, ref.expected_remaining_ms)
-    return JSONResponse(result, status_code=status)
+    if ref.tenant not in auth.tenancy.config.tenants:
+        return JSONResponse({"error": f"unknown tenant {ref.tenant!r} (nothing changed)"}, status_code=404)
+    salt = auth.tenancy.salt(ref.tenant)
+    dropped = coordinator.purge(namespace_key(None, salt))
+    response = await _forward("purge", {"cache_salt": salt}, extra={"tenant": ref.tenant, "pauses_dropped": dropped})
+    auth.trust.record("purged", ref.tenant, status=response.status_code)
+    return response
 
 
 @router.post("/fault")
@@ -146,12 +232,18 @@ async def fault(request: Request) -> JSONResponse:
 _installed = False
 
 
-def _before_launch_server(*args, **kwargs):
-    """BEFORE hook on ``http_server.launch_server``: attach the router once, in the HTTP process."""
+def _before_launch_server(server_args=None, *args, **kwargs):
+    """BEFORE hook on ``http_server.launch_server``: attach the router once, in the HTTP process, and
+    with ``AGENTCACHE_TENANTS`` load the tenants (a bad file or secret stops start-up here) and add the
+    tenancy middleware (inside SGLang's own ``--api-key`` middleware, which is added later)."""
     global _installed
     if not _installed:
         from sglang.srt.entrypoints.http_server import app
 
+        if server_args is not None:
+            auth.configure(server_args)
+        if auth.tenancy is not None:
+            app.add_middleware(auth.TenancyMiddleware)
         app.include_router(router)
         _installed = True
     return None
@@ -162,3 +254,4 @@ def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.entrypoints.http_server.launch_server", _before_launch_server, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.entrypoints.http_server._wait_and_warmup", auth.around_warmup, HookType.AROUND)

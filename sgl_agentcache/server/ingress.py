@@ -75,8 +75,13 @@ def validate_request_hints(obj) -> None:
 
 
 def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
+    from sgl_agentcache.server import auth
+
     if getattr(obj, "kv_hints", None):
         validate_request_hints(obj)
+    # With tenancy: the tenant's namespace replaces the client's, credentials are checked, hints clipped.
+    auth.bind_generate(obj, args[0] if args else kwargs.get("request"))
+    if getattr(obj, "kv_hints", None):
         _note_resumes(obj)
     return None
 
@@ -123,15 +128,17 @@ def _around_generate_request(original, tokenizer_manager, obj, *args, **kwargs):
 
 
 async def _pausing(gen, namespace: str, hint):
+    from sgl_agentcache.server import auth
     from sgl_agentcache.server.http import coordinator
 
+    ceilings = auth.ceilings_for(auth.identity_of())  # the hint itself was clipped at the front door
     async for item in gen:
         finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
         if finish is not None and not (isinstance(finish, dict) and finish.get("type") == "abort"):
             try:
                 await coordinator.pause(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
                                         deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
-                                        resume_required=True)
+                                        resume_required=True, ceilings=ceilings)
             except Exception:  # noqa: BLE001 - a pause must never fail the call it follows
                 logger.warning("agentcache: pause action of %s/%s failed (the HTTP server's coordinator is "
                                "needed; in an Engine call the pause op directly)", hint.session, hint.branch,
@@ -151,9 +158,26 @@ def _after_convert_to_internal_request(result, serving, request, raw_request=Non
         hint = parse_header(value)
     except HintError as exc:
         raise ValueError(f"invalid {HINT_HEADER} header: {exc}") from None
+    _check_header_credential(hint, raw_request)
     fields = {f: getattr(hint, f) for f in hint.__struct_fields__}
     adapted.kv_hints = lifecycle_envelope(fields, message_id=uuid.uuid4().hex)
     return adapted, original
+
+
+def _check_header_credential(hint, raw_request) -> None:
+    """With tenancy, a refused session credential in the header is a 401/403 on the OpenAI routes
+    (their handlers keep an ``HTTPException``'s status; a ``ValueError`` would become a 400)."""
+    from sgl_agentcache.server import auth
+    from sgl_agentcache.tenancy import CredentialError
+
+    if auth.tenancy is None:
+        return
+    try:
+        auth.check_session(auth.identity_of(raw_request), hint.session, raw_request.url.path)
+    except CredentialError as exc:
+        from fastapi import HTTPException
+
+        raise HTTPException(status_code=exc.status, detail=str(exc)) from None
 
 
 def install() -> None:

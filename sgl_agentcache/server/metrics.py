@@ -110,3 +110,15 @@ class CoordinatorMetrics:
 
     def count(self, event: str) -> None:
         self.events.labels(event).inc()
+
+
+class TrustMetrics:
+    """Refused and clipped hints and credentials (HTTP process, with tenancy on)."""
+
+    def __init__(self):
+        from prometheus_client import Counter
+
+        self.rejected = Counter("sglang:agentcache_hints_rejected", "Requests, hints and credentials refused "
+                                "by tenancy checks, by reason", labelnames=("reason",))
+        self.clipped = Counter("sglang:agentcache_hints_clipped", "Hint and route values clipped to a "
+                               "tenant's ceilings, by field", labelnames=("field",))

@@ -192,11 +192,13 @@ class PauseBook:
             placement=placement, previous=previous)
 
     def pause(self, branch: BranchKey, latency: LatencyDistribution | None = None, *, tool_class: str = "default",
-              force: PauseAction | None = None, write_through: bool = False, **inputs) -> dict:
+              force: PauseAction | None = None, write_through: bool = False, caps: dict | None = None,
+              **inputs) -> dict:
         """Decide and apply. ``force`` (baselines, tests) skips the policy; a pause of a branch that is
         already paused re-evaluates it (hysteresis against the previous decision). ``write_through``
         (with OFFLOAD; the HiCache-style baselines) copies to host but leaves the device copy to the
-        eviction policy: the resume loads back only what was evicted meanwhile."""
+        eviction policy: the resume loads back only what was evicted meanwhile. ``caps`` (a tenant's
+        ceilings, from the HTTP side) can only lower the server-wide ``max_kept_*`` caps."""
         if branch in self.cache.closed:
             self.counters["refused_closed"] += 1
             return {"paused": False, "reason": "branch is closed"}
@@ -225,7 +227,7 @@ class PauseBook:
             applied = PauseAction.OFFLOAD if moved is not None else PauseAction.KEEP
             moved = moved or 0
         else:
-            applied, moved = self._apply(branch, action, placement)
+            applied, moved = self._apply(branch, action, placement, caps)
         tokens = self.host.tokens_of(branch) if applied is PauseAction.OFFLOAD else moved
         self.counters["decisions"][applied.value] += 1
         if applied is PauseAction.RELEASE:
@@ -251,7 +253,13 @@ class PauseBook:
                     entry["reason"] if applied is action else f"{action.value} -> {applied.value}")
         return {"paused": applied is not PauseAction.RELEASE} | entry
 
-    def _apply(self, branch: BranchKey, action: PauseAction, placement: Placement) -> tuple[PauseAction, int]:
+    def _cap(self, name: str, caps: dict | None) -> int:
+        """A server-wide cap, lowered (never raised) by a tenant's ceiling of the same name."""
+        value = getattr(self.settings, name)
+        return min(value, int(caps[name])) if caps and caps.get(name) is not None else value
+
+    def _apply(self, branch: BranchKey, action: PauseAction, placement: Placement,
+               caps: dict | None = None) -> tuple[PauseAction, int]:
         """Carry out ``action``; returns the action actually applied (after caps and fallbacks) and
         the tokens it concerned."""
         if action is PauseAction.KEEP:
@@ -262,13 +270,12 @@ class PauseBook:
             count, pinned = self._namespace_kept(branch.namespace)
             pinned -= self.kept.get(branch, 0)
             count -= branch in self.kept
-            s = self.settings
-            if count + 1 > s.max_kept_branches or pinned + tokens > s.max_kept_tokens:
+            max_branches, max_tokens = self._cap("max_kept_branches", caps), self._cap("max_kept_tokens", caps)
+            if count + 1 > max_branches or pinned + tokens > max_tokens:
                 self.counters["kept_clipped"] += 1
                 logger.info("agentcache: keep of %s/%s clipped (%d kept branches, %d + %d tokens; caps %d, %d)",
-                            branch.session, branch.branch, count, pinned, tokens, s.max_kept_branches,
-                            s.max_kept_tokens)
-                return self._apply(branch, PauseAction.OFFLOAD, placement)
+                            branch.session, branch.branch, count, pinned, tokens, max_branches, max_tokens)
+                return self._apply(branch, PauseAction.OFFLOAD, placement, caps)
             self.kept[branch] = tokens
             return PauseAction.KEEP, tokens
         self.kept.pop(branch, None)
@@ -439,7 +446,7 @@ class PauseBook:
         self.counters["fork_restores"] += 1
         return restored
 
-    def prefetch_branch(self, branch: BranchKey, queued: int = 0) -> dict:
+    def prefetch_branch(self, branch: BranchKey, queued: int = 0, caps: dict | None = None) -> dict:
         """"Tool nearly done": restore now, ahead of the request, within the namespace's speculative
         budget, into free memory only, and only while no request waits for admission (``queued``, the
         scheduler's waiting queue): speculation never competes with work that is already here."""
@@ -462,10 +469,10 @@ class PauseBook:
             self.prefetch["refused_room"] += 1
             return {"prefetched": False, "reason": f"{need} tokens do not fit in free device memory "
                                                      "(prefetch never evicts)"}
-        if pending + need > self.settings.prefetch_budget_tokens:
+        budget = self._cap("prefetch_budget_tokens", caps)
+        if pending + need > budget:
             self.prefetch["refused_budget"] += 1
-            return {"prefetched": False, "reason": f"speculative budget: {pending} + {need} > "
-                                                     f"{self.settings.prefetch_budget_tokens} tokens"}
+            return {"prefetched": False, "reason": f"speculative budget: {pending} + {need} > {budget} tokens"}
         before = self.host.promotes.seconds
         restored = self._restore(branch, keep_host=True)
         if branch not in self.host.entries:

@@ -1,0 +1,276 @@
+"""Tenancy at the HTTP front door: who a request is, which namespace it may touch, what it may ask.
+
+Active only when ``AGENTCACHE_TENANTS`` names a tenants file (see :mod:`sgl_agentcache.tenancy`).
+
+- :class:`TenancyMiddleware` (pure ASGI, inside SGLang's own ``--api-key`` middleware) authenticates
+  every request: the key comes from ``x-agentcache-key``, or from ``Authorization: Bearer`` when
+  SGLang's ``--api-key`` is not in use. Public probes pass; tenant routes need a tenant key (401
+  without, 403 with an admin key); everything else needs an admin key. The identity is put in the ASGI
+  scope and in a context variable for the hooks below.
+- :func:`bind_generate` (called by the ingress hook on ``TokenizerManager.generate_request``) overwrites
+  ``extra_key`` / ``cache_salt`` with the tenant's namespace (a client value is counted and audited,
+  never used), checks each lifecycle hint's session credential and clips its fields to the ceilings.
+- :class:`Trust` counts rejected and clipped hints (``/agentcache/stats``, Prometheus) and writes the
+  audit log (``AGENTCACHE_AUDIT_LOG``, JSONL; keys and credentials are never written).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+import time
+
+import msgspec
+
+from sgl_agentcache.hints import find_lifecycle_hint
+from sgl_agentcache.tenancy import SYSTEM_SALT, CredentialError, Identity, Tenancy
+
+logger = logging.getLogger(__name__)
+AUDIT_LOG_ENV = "AGENTCACHE_AUDIT_LOG"
+KEY_HEADER = b"x-agentcache-key"
+_SCOPE_KEY = "agentcache.identity"
+
+#: The server's tenancy (None: tenancy off). Set once, in the HTTP process, before the app serves.
+tenancy: Tenancy | None = None
+#: Keyless loopback ``/generate`` calls still admitted for SGLang's own start-up warmup (which sends
+#: no tenant key). Non-zero only while the warmup runs (the server is not "up" yet); they run in the
+#: system namespace and may carry no hints.
+_warmup_allowance = 0
+WARMUP_REQUESTS = 4
+_warmup_hosts = {"127.0.0.1", "::1"}  # plus the server's own address when it binds one interface
+_current: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("agentcache_identity", default=None)
+
+
+class Trust:
+    """Counters and the audit log of refused and clipped hints (HTTP process)."""
+
+    def __init__(self, audit_path: str | None = None):
+        from sgl_agentcache.server.coordinator import EventLog
+
+        self.audit = EventLog(audit_path, kind_key="event")
+        self.rejected: dict[str, int] = {}
+        self.clipped: dict[str, int] = {}
+        self.overwritten = 0
+        self._metrics = None
+
+    def _prom(self):
+        if self._metrics is None:
+            from sgl_agentcache.server.metrics import TrustMetrics, metrics_enabled
+
+            self._metrics = TrustMetrics() if metrics_enabled() else False
+        return self._metrics
+
+    def reject(self, reason: str, *, tenant: str | None, path: str, message: str = "") -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self.audit.emit("rejected", {"tenant": tenant}, reason=reason, path=path, message=message)
+        if self._prom():
+            self._metrics.rejected.labels(reason).inc()
+
+    def clip(self, tenant: str, field: str, asked, granted, *, path: str) -> None:
+        self.clipped[field] = self.clipped.get(field, 0) + 1
+        self.audit.emit("clipped", {"tenant": tenant}, field=field, asked=asked, granted=granted, path=path)
+        if self._prom():
+            self._metrics.clipped.labels(field).inc()
+
+    def note_overwrite(self, tenant: str | None, path: str) -> None:
+        self.overwritten += 1
+        self.audit.emit("namespace_overwritten", {"tenant": tenant}, path=path)
+        if self._prom():
+            self._metrics.rejected.labels("namespace_overwritten").inc()
+
+    def record(self, event: str, tenant: str | None, **fields) -> None:
+        self.audit.emit(event, {"tenant": tenant}, **fields)
+
+    def stats(self) -> dict:
+        return {"rejected": dict(self.rejected), "clipped": dict(self.clipped),
+                "namespace_overwritten": self.overwritten, "audit_log": self.audit.path,
+                "audit_events": self.audit.written}
+
+
+trust = Trust(os.environ.get(AUDIT_LOG_ENV))
+
+
+def configure(server_args) -> None:
+    """Load the tenants file for this server (BEFORE ``launch_server``); a bad file stops start-up."""
+    global tenancy
+    host = getattr(server_args, "host", None)
+    if host and host not in ("0.0.0.0", "::"):
+        _warmup_hosts.add(host)
+    tenancy = Tenancy.from_env(server_args.model_path, getattr(server_args, "tokenizer_path", None),
+                               getattr(server_args, "revision", None))
+    if tenancy is not None:
+        logger.info("agentcache: tenancy on, %d tenants, signed sessions %s", len(tenancy.config.tenants),
+                    "required" if tenancy.config.require_signed_sessions else "optional")
+
+
+def identity_of(request=None) -> Identity | None:
+    """The authenticated identity of the current HTTP request (None: tenancy off, or no key)."""
+    if request is not None:
+        found = getattr(request, "scope", {}).get(_SCOPE_KEY)
+        if found is not None:
+            return found
+    return _current.get()
+
+
+def _presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
+    bearer = None
+    for name, value in headers:
+        if name == KEY_HEADER:
+            return value.decode("latin-1")
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token:
+                bearer = token.strip()
+    return bearer
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = msgspec.json.encode({"error": message})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="sgl-agentcache"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class TenancyMiddleware:
+    """Authenticate and authorise every HTTP request against :data:`tenancy` (see module docstring)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or tenancy is None or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        kind = tenancy.route_kind(path)
+        identity = None
+        if kind not in ("public", "open"):
+            identity = tenancy.authenticate(_presented_key(scope.get("headers", [])))
+            refusal = None
+            if identity is None and _is_warmup(scope, path):
+                identity = Identity(None)  # the system namespace, no hints
+            elif identity is None:
+                refusal = (401, "no_key" if _presented_key(scope.get("headers", [])) is None else "bad_key",
+                           "a valid API key is required (x-agentcache-key or Authorization: Bearer)")
+            elif kind == "tenant" and identity.admin:
+                refusal = (403, "admin_on_tenant_route", f"{path} serves tenants; use a tenant key")
+            elif kind == "admin" and not identity.admin:
+                refusal = (403, "not_admin", f"{path} needs an admin key")
+            if refusal is not None:
+                status, reason, message = refusal
+                trust.reject(reason, tenant=identity.tenant if identity else None, path=path)
+                return await _refuse(send, status, message)
+        scope[_SCOPE_KEY] = identity
+        token = _current.set(identity)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _current.reset(token)
+
+
+def _is_warmup(scope, path: str) -> bool:
+    global _warmup_allowance
+    client = scope.get("client") or ("", 0)
+    if _warmup_allowance > 0 and path == "/generate" and client[0] in _warmup_hosts:
+        _warmup_allowance -= 1
+        return True
+    return False
+
+
+def around_warmup(original, *args, **kwargs):
+    """AROUND hook on SGLang's ``_wait_and_warmup``: admit its few keyless self-requests, then close."""
+    global _warmup_allowance
+    _warmup_allowance = WARMUP_REQUESTS if tenancy is not None else 0
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _warmup_allowance = 0
+
+
+# ---- generation requests ----
+
+
+def bound_salt(identity: Identity | None) -> str:
+    return tenancy.salt(identity.tenant) if identity is not None and identity.tenant else SYSTEM_SALT
+
+
+def check_session(identity: Identity | None, session: str, path: str) -> None:
+    """Raise :class:`CredentialError` (audited, counted) unless ``identity`` may use ``session``."""
+    if identity is None or identity.tenant is None:
+        trust.reject("no_tenant", tenant=None, path=path)
+        raise CredentialError(403, "no_tenant", "lifecycle hints need a tenant key")
+    try:
+        tenancy.verify_session(identity.tenant, session, time.time())
+    except CredentialError as exc:
+        trust.reject(exc.reason, tenant=identity.tenant, path=path, message=str(exc))
+        raise
+
+
+def bind_generate(obj, request=None) -> None:
+    """Bind a generation request to its tenant's namespace, check and clip its lifecycle hints.
+
+    Runs after hint validation (a malformed hint is a 400 first). Raises :class:`CredentialError`
+    (401/403 through SGLang's error response) and changes nothing when a credential is refused.
+    """
+    if tenancy is None:
+        return
+    identity = identity_of(request)
+    path = getattr(getattr(request, "url", None), "path", "/generate")
+    salt = bound_salt(identity)
+    tenant = identity.tenant if identity is not None else None
+    if hasattr(obj, "cache_salt"):
+        given = [v for v in _values(getattr(obj, "extra_key", None)) + _values(obj.cache_salt) if v and v != salt]
+        if given:
+            trust.note_overwrite(tenant, path)
+    hints = getattr(obj, "kv_hints", None)
+    if hints:
+        envelopes = hints if isinstance(hints, list) else [hints]
+        parsed = [(e, find_lifecycle_hint(e)) for e in envelopes]
+        for _, hint in parsed:  # check every credential before changing anything
+            if hint is not None:
+                check_session(identity, hint.session, path)
+        rewritten = [_clip_envelope(e, hint, identity, path) if hint is not None else e for e, hint in parsed]
+        obj.kv_hints = rewritten if isinstance(hints, list) else rewritten[0]
+    if hasattr(obj, "cache_salt"):
+        obj.extra_key = None
+        obj.cache_salt = salt
+
+
+def _values(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def clip(identity: Identity | None, fields: dict, path: str) -> dict:
+    """Clip ``fields`` in place to the identity's tenant ceilings; each clip is counted and audited."""
+    if tenancy is None or identity is None or identity.tenant is None:
+        return {}
+    clipped = tenancy.clip_hint(identity.tenant, fields)
+    for name, (asked, granted) in clipped.items():
+        trust.clip(identity.tenant, name, asked, granted, path=path)
+    return clipped
+
+
+def _clip_envelope(envelope, hint, identity: Identity, path: str):
+    fields = {f: getattr(hint, f) for f in hint.__struct_fields__ if getattr(hint, f) is not None}
+    clipped = clip(identity, fields, path)
+    if not clipped:
+        return envelope
+    from sgl_agentcache.hints import ACTION_TYPE
+
+    plain = msgspec.to_builtins(envelope) if not isinstance(envelope, dict) else envelope
+    actions = [dict(a, payload={**a["payload"], **{k: fields[k] for k in clipped}})
+               if a.get("action_type") == ACTION_TYPE else a for a in plain["actions"]]
+    return {**plain, "actions": actions}
+
+
+def ceilings_for(identity: Identity | None):
+    """The tenant's ceilings, or None (tenancy off or no tenant)."""
+    if tenancy is None or identity is None or identity.tenant is None:
+        return None
+    return tenancy.ceilings(identity.tenant)
+
+
+__all__ = ["TenancyMiddleware", "Trust", "bind_generate", "bound_salt", "ceilings_for", "check_session", "clip",
+           "configure", "identity_of", "trust"]

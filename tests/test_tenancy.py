@@ -1,0 +1,233 @@
+"""Tenancy without a server: the tenants file, keys, namespaces, session credentials, ceilings, and the
+front-door binding of a request (``auth.bind_generate``) on plain request objects."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_agentcache import tenancy as tn
+from sgl_agentcache.hints import find_lifecycle_hint, lifecycle_envelope
+from sgl_agentcache.tenancy import (Ceilings, CredentialError, Identity, Tenancy, TenancyError, key_digest,
+                                    load_config)
+
+ACME, GLOBEX, ADMIN = "acme-key-0123456789abcdef", "globex-key-0123456789abcdef", "admin-key-0123456789abcdef"
+SECRET = b"k" * 32
+NOW = 1_800_000_000.0
+
+
+def _write(tmp_path, text: str, name: str = "tenants.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _config(tmp_path, **overrides):
+    body = {"admin_keys": [key_digest(ADMIN)], "defaults": {"max_retention_s": 600, "max_priority": 10},
+            "tenants": {"acme": {"keys": [key_digest(ACME)], "ceilings": {"max_kept_branches": 1, "max_priority": 3,
+                                                                         "max_stable_prefix_tokens": 64}},
+                        "globex": {"keys": [GLOBEX]}}} | overrides
+    return load_config(_write(tmp_path, json.dumps(body), "tenants.json"))
+
+
+@pytest.fixture
+def tenancy(tmp_path) -> Tenancy:
+    return Tenancy(_config(tmp_path), SECRET, tn.binding("/models/qwen"))
+
+
+def test_toml_and_json_files_load_the_same(tmp_path):
+    toml = _write(tmp_path, f'''
+admin_keys = ["{key_digest(ADMIN)}"]
+[defaults]
+max_retention_s = 600
+max_priority = 10
+[tenants.acme]
+keys = ["{key_digest(ACME)}"]
+ceilings = {{ max_kept_branches = 1, max_priority = 3, max_stable_prefix_tokens = 64 }}
+[tenants.globex]
+keys = ["{GLOBEX}"]
+''')
+    assert load_config(toml) == _config(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tenants": {"a": {"keys": [ACME]}, "b": {"keys": [key_digest(ACME)]}}}, "both"),
+    ({"tenants": {"a": {"keys": ["short"]}}}, "shorter than"),
+    ({"tenants": {"a": {"keys": ["sha256:XYZ"]}}}, "64 lowercase hex"),
+    ({"tenants": {"a b": {"keys": [ACME]}}}, "tenants"),
+    ({"tenants": {}}, "tenants"),
+    ({"tenants": {"a": {"keys": [ACME]}}, "surprise": 1}, "surprise"),
+    ({"tenants": {"a": {"keys": [ACME], "ceilings": {"max_priority": 1000}}}}, "max_priority"),
+    ({"tenants": {"a": {"keys": [ACME]}}, "admin_keys": [ACME]}, "admin"),
+])
+def test_bad_tenants_files_stop_start_up_with_the_reason(tmp_path, change, message):
+    path = _write(tmp_path, json.dumps(change), "bad.json")
+    with pytest.raises(TenancyError, match=message):
+        load_config(path)
+
+
+def test_secret_must_be_long_enough():
+    with pytest.raises(TenancyError, match=tn.SECRET_ENV):
+        tn.load_secret({tn.SECRET_ENV: "short"})
+    assert tn.load_secret({tn.SECRET_ENV: "x" * 32}) == b"x" * 32
+    assert Tenancy.from_env("/m", environ={}) is None  # no tenants file: tenancy off
+
+
+def test_keys_authenticate_tenants_and_admins(tenancy):
+    assert tenancy.authenticate(ACME) == Identity("acme")
+    assert tenancy.authenticate(GLOBEX) == Identity("globex")  # a plain key in the file works too
+    assert tenancy.authenticate(ADMIN) == Identity(None, admin=True)
+    for wrong in (None, "", ACME + "x", key_digest(ACME)):  # a stored hash is not a key
+        assert tenancy.authenticate(wrong) is None
+
+
+def test_namespaces_bind_tenant_model_and_policy(tenancy, tmp_path):
+    assert tenancy.salt("acme") != tenancy.salt("globex")
+    other_model = Tenancy(_config(tmp_path), SECRET, tn.binding("/models/llama"))
+    assert other_model.salt("acme") != tenancy.salt("acme")
+    assert tenancy.tenant_of_salt(tenancy.salt("acme")) == "acme"
+    assert tenancy.tenant_of_salt(other_model.salt("acme")) is None
+    assert tenancy.tenant_of_salt("acme") is None
+
+
+def test_session_credentials(tenancy):
+    session, expiry, clipped = tenancy.issue_session("acme", NOW, ttl_s=60)
+    assert expiry == int(NOW) + 60 and not clipped
+    tenancy.verify_session("acme", session, NOW + 59)
+    with pytest.raises(CredentialError) as other:
+        tenancy.verify_session("globex", session, NOW)  # another tenant's genuine credential
+    assert other.value.status == 403 and other.value.reason == "forged_session"
+    with pytest.raises(CredentialError) as late:
+        tenancy.verify_session("acme", session, NOW + 60)
+    assert late.value.status == 401 and late.value.reason == "expired_session"
+    sid, exp, mac = session.split(".")
+    with pytest.raises(CredentialError, match="not valid"):
+        tenancy.verify_session("acme", f"{sid}.{int(exp) + 10}.{mac}", NOW)  # extended life, old MAC
+    with pytest.raises(CredentialError) as plain:
+        tenancy.verify_session("acme", "my-session", NOW)
+    assert plain.value.reason == "unsigned_session"
+    tenancy.tombstone("acme", session, NOW)
+    with pytest.raises(CredentialError) as replay:
+        tenancy.verify_session("acme", session, NOW + 1)
+    assert replay.value.status == 403 and replay.value.reason == "closed_session"
+
+
+def test_session_lifetime_is_clipped_and_ids_fit_the_hint_grammar(tenancy):
+    import re
+
+    from sgl_agentcache.hints import ID_REGEX
+
+    session, expiry, clipped = tenancy.issue_session("acme", NOW, ttl_s=10 * 86_400)
+    assert clipped and expiry == int(NOW) + tenancy.config.session_ttl_s
+    assert re.match(ID_REGEX, session)
+    assert find_lifecycle_hint(lifecycle_envelope({"session": session}, message_id="m")).session == session
+
+
+def test_unsigned_sessions_when_the_operator_allows_them(tmp_path):
+    lax = Tenancy(_config(tmp_path, require_signed_sessions=False), SECRET, "b")
+    lax.verify_session("acme", "my-session", NOW)  # still namespaced by the tenant
+    session, _, _ = lax.issue_session("globex", NOW)
+    with pytest.raises(CredentialError):
+        lax.verify_session("acme", session, NOW)  # a credential is still checked
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_no_edit_of_a_credential_verifies(data):
+    tenancy = Tenancy(TenancyConfigForProperty, SECRET, "b")
+    session, _, _ = tenancy.issue_session("acme", NOW, ttl_s=3600)
+    i = data.draw(st.integers(0, len(session) - 1))
+    c = data.draw(st.sampled_from("0123456789abcdefABCDEF-_."))
+    forged = session[:i] + c + session[i + 1:]
+    if forged != session:
+        with pytest.raises(CredentialError):
+            tenancy.verify_session("acme", forged, NOW)
+
+
+TenancyConfigForProperty = tn.TenancyConfig(tenants={"acme": tn.TenantSpec(keys=[ACME])})
+
+
+def test_tombstones_are_bounded(tenancy, monkeypatch):
+    monkeypatch.setattr(tn, "MAX_TOMBSTONES", 4)
+    sessions = [tenancy.issue_session("acme", NOW, ttl_s=100 + i)[0] for i in range(6)]
+    for s in sessions:
+        tenancy.tombstone("acme", s, NOW)
+    assert len(tenancy._tombstones) <= 4
+    with pytest.raises(CredentialError, match="closed"):
+        tenancy.verify_session("acme", sessions[-1], NOW)  # the newest are remembered
+
+
+def test_ceilings_clip_and_merge_with_defaults(tenancy):
+    acme = tenancy.ceilings("acme")
+    assert acme.max_priority == 3 and acme.max_retention_s == 600  # own value, and the default's
+    assert tenancy.ceilings("globex").max_priority == 10
+    assert acme.caps() == {"max_kept_branches": 1}
+    fields = {"session": "s", "stable_prefix_tokens": 500, "priority": 50, "deadline_ms": 10_000_000}
+    clipped = tenancy.clip_hint("acme", fields)
+    assert clipped == {"stable_prefix_tokens": (500, 64), "priority": (50, 3), "deadline_ms": (10_000_000, 600_000)}
+    assert fields == {"session": "s", "stable_prefix_tokens": 64, "priority": 3, "deadline_ms": 600_000}
+    modest = {"stable_prefix_tokens": 10, "priority": -5}
+    assert tenancy.clip_hint("acme", modest) == {} and modest == {"stable_prefix_tokens": 10, "priority": -5}
+    assert Ceilings().over(Ceilings(max_priority=1)).max_priority == 1
+
+
+@pytest.mark.parametrize("path, kind", [
+    ("/health", "public"), ("/health_generate", "public"), ("/metrics", "public"), ("/v1/models", "open"),
+    ("/generate", "tenant"), ("/v1/chat/completions", "tenant"), ("/agentcache/pause", "tenant"),
+    ("/agentcache/stats", "any"), ("/agentcache/admin/purge", "admin"), ("/agentcache/check", "admin"),
+    ("/flush_cache", "admin"), ("/abort_request", "admin"), ("/v1/responses/abc", "admin"), ("/anything", "admin"),
+])
+def test_routes_are_denied_unless_classified(tenancy, path, kind):
+    assert tenancy.route_kind(path) == kind
+
+
+# ---- the front-door binding, on plain request objects ----
+
+
+@pytest.fixture
+def bound(tenancy, monkeypatch):
+    from sgl_agentcache.server import auth
+
+    monkeypatch.setattr(auth, "tenancy", tenancy)
+    monkeypatch.setattr(auth, "trust", auth.Trust())
+    return auth
+
+
+def _request(identity: Identity | None):
+    return SimpleNamespace(scope={"agentcache.identity": identity}, url=SimpleNamespace(path="/generate"))
+
+
+def test_binding_overwrites_the_namespace_and_clips_hints(bound, tenancy):
+    session, _, _ = tenancy.issue_session("acme", __import__("time").time(), ttl_s=600)
+    envelope = lifecycle_envelope({"session": session, "stable_prefix_tokens": 300, "priority": 99}, message_id="m")
+    obj = SimpleNamespace(input_ids=list(range(3, 400)), extra_key="globex", cache_salt=tenancy.salt("globex"),
+                          kv_hints=envelope)
+    bound.bind_generate(obj, _request(Identity("acme")))
+    assert (obj.extra_key, obj.cache_salt) == (None, tenancy.salt("acme"))
+    hint = find_lifecycle_hint(obj.kv_hints)
+    assert (hint.stable_prefix_tokens, hint.priority, hint.session) == (64, 3, session)
+    assert envelope["actions"][0]["payload"]["stable_prefix_tokens"] == 300  # the caller's object is not mutated
+    assert bound.trust.clipped == {"stable_prefix_tokens": 1, "priority": 1} and bound.trust.overwritten == 1
+
+
+def test_binding_refuses_credentials_and_changes_nothing(bound, tenancy):
+    import time
+
+    theirs, _, _ = tenancy.issue_session("globex", time.time(), ttl_s=600)
+    envelope = lifecycle_envelope({"session": theirs}, message_id="m")
+    obj = SimpleNamespace(input_ids=[5, 6], extra_key=None, cache_salt=None, kv_hints=envelope)
+    with pytest.raises(CredentialError) as exc:
+        bound.bind_generate(obj, _request(Identity("acme")))
+    assert exc.value.status_code == 403
+    assert obj.cache_salt is None and obj.kv_hints is envelope
+    anonymous = SimpleNamespace(input_ids=[5, 6], extra_key=None, cache_salt="mine", kv_hints=None)
+    bound.bind_generate(anonymous, _request(None))  # no tenant (warmup, probes): the system namespace
+    assert anonymous.cache_salt == tn.SYSTEM_SALT
+    with pytest.raises(CredentialError, match="tenant key"):
+        bound.bind_generate(SimpleNamespace(input_ids=[5], extra_key=None, cache_salt=None, kv_hints=envelope),
+                            _request(None))
+    assert bound.trust.rejected == {"forged_session": 1, "no_tenant": 1}
