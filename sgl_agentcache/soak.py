@@ -207,8 +207,8 @@ def run_standalone(seconds: float, workers: int, out_path: str | None, seed: int
         server = CpuServer(str(model.path), log_path=Path(tmp) / "sglang.log", max_total_tokens=4096,
                            extra_args=("--enable-cache-report",),
                            env={"AGENTCACHE_FAULT_INJECTION": "1", "AGENTCACHE_PROFILE": "seed",
-                                # A host tier of half the pool: offloads also meet a full host tier.
-                                "AGENTCACHE_HOST_TOKENS": "2048",
+                                # A small host tier (a few branches' worth): offloads also meet a full one.
+                                "AGENTCACHE_HOST_TOKENS": "640",
                                 "AGENTCACHE_TOOL_PRIORS": json.dumps({"grep": {"median_s": 0.02, "sigma": 0.5},
                                                                           "ci_run": {"median_s": 60.0, "sigma": 1.5}})})
         with server.start():

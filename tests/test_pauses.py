@@ -165,6 +165,42 @@ def test_policy_keeps_a_short_tool_and_offloads_a_long_tailed_one():
     h.assert_clean()
 
 
+def test_tenant_caps_only_lower_the_server_caps():
+    h = Harness(max_kept_branches=4)
+    for i, name in enumerate("abc"):
+        h.turn(name, ids(100 * i, 200), [3])
+    caps = {"max_kept_branches": 1}
+    assert h.pause("a", force=PauseAction.KEEP, caps=caps)["action"] == "keep"
+    assert h.pause("b", force=PauseAction.KEEP, caps=caps)["action"] == "offload"  # the tenant's cap
+    assert h.pause("c", force=PauseAction.KEEP, caps={"max_kept_branches": 99})["action"] == "keep"
+    assert h.cache.pauses._cap("max_kept_branches", {"max_kept_branches": 99}) == 4  # never raised
+    h.assert_clean()
+
+
+def test_measured_bandwidth_enters_decisions_only_as_relayed_message_data():
+    h = Harness(bytes_per_token=36 * 1024)
+    book = h.cache.pauses
+    for i in range(5):  # enough copies in both directions to trust the measurement
+        h.turn(f"s{i}", ids(500 + i, 300), [3])
+        assert h.pause(f"s{i}", force=PauseAction.OFFLOAD)["action"] == "offload"
+        assert h.call("resume", f"s{i}")["resumed"]
+    measured = book.measured()
+    assert set(measured) == {"d2h_bytes_per_s", "h2d_bytes_per_s"} and min(measured.values()) > 0
+    h.turn("x", ids(900, 300), [3])
+    branch = BranchKey(NS, "x", "main")
+    slow = {"h2d_bytes_per_s": 1e3, "d2h_bytes_per_s": 1e3}  # as if rank 0 had measured a crawl
+    with h.driver.activated():
+        book.settings.use_measured_bandwidth = False
+        assert book.inputs(branch, PointMass(5.0), measured=slow).h2d_bandwidth_Bps == book.settings.h2d_bytes_per_s
+        book.settings.use_measured_bandwidth = True
+        assert book.inputs(branch, PointMass(5.0)).h2d_bandwidth_Bps == book.settings.h2d_bytes_per_s  # none sent
+        assert book.inputs(branch, PointMass(5.0), measured=slow).h2d_bandwidth_Bps == 1e3
+        decided = book.pause(branch, LogNormal(60.0, 1.5), tool_class="ci_run", measured=slow)
+    assert decided["inputs"]["bandwidth_source"] == "measured" and decided["action"] != "offload", decided
+    assert "measured" in decided
+    h.assert_clean()
+
+
 def test_release_below_min_tokens_and_expire_releases_every_tier():
     h = Harness()
     h.turn("tiny", ids(0, STABLE + 40), [3])

@@ -187,6 +187,8 @@ def test_prometheus_metrics(server, tokens):
     assert _metric(text, "sglang:agentcache_resident_tokens", cls="stable", tier="device") > 0
     assert 0.0 <= _metric(text, "sglang:agentcache_eviction_pressure") <= 1.0
     assert _metric(text, "sglang:agentcache_pause_events_total", event="pauses") >= 1
+    assert _metric(text, "sglang:agentcache_waiting_requests", priority_class="default") >= 0
+    assert _metric(text, "sglang:agentcache_paused_tokens", priority_class="normal", placement="host") >= 0
 
 
 def test_pause_as_a_hint_action(server, tokens):
@@ -206,3 +208,19 @@ def test_pause_as_a_hint_action(server, tokens):
     _, cached = _gen(server, prompt + out["output_ids"] + tokens.ids(20), "hinted", extra_key="hint-ns")
     assert cached >= 300  # restored from host on the next call
     _check(server)
+
+
+def test_event_log_follows_a_trajectory_to_its_end(server, tokens):
+    """tool_wait -> restoring -> completed for a branch closed by the agent (route or ``close`` hint)."""
+    prompt = tokens.ids(300)
+    _gen(server, prompt, "traj", extra_key="traj-ns")
+    assert _post(server, "/agentcache/pause", {"session": "traj", "extra_key": "traj-ns", "tool_class": "ci_run"})[0] == 200
+    _gen(server, prompt + tokens.ids(20), "traj", extra_key="traj-ns")
+    assert _post(server, "/agentcache/session/close", {"session": "traj", "extra_key": "traj-ns"})[0] == 200
+    body = {"input_ids": tokens.ids(60), "extra_key": "traj-ns", "sampling_params": {"max_new_tokens": 2},
+            "kv_hints": lifecycle_envelope({"session": "traj2", "close": True}, message_id="m-close")}
+    server.generate(body)
+    events = [json.loads(line) for line in server.event_log.read_text().splitlines()]
+    states = [e["state"] for e in events if e["session"] == "traj"]
+    assert states[0] == "tool_wait" and "restoring" in states and states[-1] == "completed", states
+    assert any(e["state"] == "completed" and e["session"] == "traj2" and e["reason"] == "hint" for e in events)

@@ -9,6 +9,7 @@ key, started with ``AGENTCACHE_TENANTS`` (a TOML tenants file), ``AGENTCACHE_SEC
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 
@@ -47,8 +48,10 @@ keys = ["{GLOBEX_KEY}"]
 def tserver(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tenancy")
     (root / "tenants.toml").write_text(TENANTS_TOML)
+    # Two running requests at most, with SGLang's priority scheduling: the queue-jump test needs a queue.
     srv = CpuServer(str(tiny_model.path), log_path=root / "sglang.log", max_total_tokens=4096,
-                    extra_args=("--enable-cache-report", "--enable-metrics"),
+                    extra_args=("--enable-cache-report", "--enable-metrics", "--enable-priority-scheduling",
+                                "--max-running-requests", "2"),
                     env={"AGENTCACHE_TENANTS": str(root / "tenants.toml"), "AGENTCACHE_SECRET": SECRET,
                          "AGENTCACHE_AUDIT_LOG": str(root / "audit.jsonl"), "AGENTCACHE_PROFILE": "seed",
                          "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS)})
@@ -233,3 +236,38 @@ def test_purge_removes_a_tenant_from_every_tier_and_spares_the_others(tserver, t
     assert _call(tserver, "POST", "/agentcache/admin/purge", ADMIN_KEY, {"tenant": "nobody"})[0] == 404
     status, report = _call(tserver, "GET", "/agentcache/check", ADMIN_KEY)
     assert status == 200 and report["ok"], report
+
+
+def test_an_urgent_turn_jumps_the_queue_and_gets_no_memory_for_it(tserver, tokens):
+    """Priority is queue order, never residency: with two running slots taken and two low-priority
+    turns waiting, a priority-10 turn is admitted first; its branch's quota is unchanged."""
+    finished: dict[str, float] = {}
+    prompt = tokens.ids(64)
+
+    sessions = {name: _open(tserver, GLOBEX_KEY) for name in ("low0", "low1", "low2", "low3", "urgent")}
+
+    def turn(name, priority, new_tokens):
+        session = sessions[name]
+        body = {"input_ids": prompt + tokens.ids(8),
+                "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
+                "kv_hints": lifecycle_envelope({"session": session, "priority": priority}, message_id=name)}
+        status, reply = _call(tserver, "POST", "/generate", GLOBEX_KEY, body)
+        assert status == 200, reply
+        finished[name] = time.monotonic()
+
+    low = [threading.Thread(target=turn, args=(f"low{i}", -5, 600)) for i in range(4)]  # ~2 s each here
+    for t in low:
+        t.start()
+        time.sleep(0.1)
+    time.sleep(0.3)
+    queue = _stats(tserver, ADMIN_KEY)["queue_by_priority"]
+    assert queue["low"]["waiting"] >= 1, queue  # two run, the others wait, counted by class
+    urgent = threading.Thread(target=turn, args=("urgent", 10, 4))
+    urgent.start()
+    for t in [*low, urgent]:
+        t.join(300)
+    order = sorted(finished, key=finished.get)
+    assert len(order) == 5 and order.index("urgent") <= 2, order  # ahead of both queued low turns
+    assert _stats(tserver, GLOBEX_KEY)["session_quota_tokens"] == _stats(tserver, ACME_KEY)["session_quota_tokens"]
+    with urllib.request.urlopen(tserver.url + "/metrics", timeout=10) as resp:
+        assert "sglang:agentcache_queue_age_seconds" in resp.read().decode()

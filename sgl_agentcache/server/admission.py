@@ -23,6 +23,8 @@ def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs
     from sgl_agentcache.server.cache import AgentRadixCache
 
     cache = scheduler.tree_cache
+    if isinstance(cache, AgentRadixCache) and cache.scheduler is None:
+        cache.scheduler = scheduler  # read-only use: queue metrics per priority class
     if isinstance(cache, AgentRadixCache) and req.kv_hints is not None:
         refusal = cache.admit(req)
         if refusal is not None:

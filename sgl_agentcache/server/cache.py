@@ -86,6 +86,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.session_quota_tokens = int(os.environ.get(SESSION_QUOTA_ENV, 0)) or max(pool // 2, 1)
         self.closed = RecentBranches()
         self.seen = RecentBranches()
+        self.scheduler = None  # set on the first request; read only by queue metrics
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
         self.freed_on_close_tokens = 0

@@ -73,8 +73,14 @@ def _scheduler_idle(scheduler) -> bool:
 @op("stats")
 def _stats(scheduler, args: dict) -> dict:
     """Everything (operators, no tenancy), or one namespace's own view (``namespace``: a tenant's)."""
+    from sgl_agentcache.server.metrics import paused_tokens_by_priority, queue_by_priority
+
     cache = _agent_cache(scheduler)
-    return cache.namespace_stats(args["namespace"]) if args.get("namespace") else cache.agent_stats()
+    if args.get("namespace"):
+        return cache.namespace_stats(args["namespace"])
+    by_priority = {f"{cls}/{placement}": n for (cls, placement), n in paused_tokens_by_priority(cache.pauses).items()}
+    return cache.agent_stats() | {"queue_by_priority": queue_by_priority(scheduler),
+                                  "paused_tokens_by_priority": by_priority}
 
 
 @op("purge")
@@ -142,8 +148,8 @@ def _pause(scheduler, args: dict) -> dict:
     force = PauseAction(args["force"]) if args.get("force") else None
     result = cache.pauses.pause(
         branch, latency, tool_class=args.get("tool_class", "default"), force=force, caps=args.get("caps"),
-        **{k: args[k] for k in ("elapsed_s", "deadline_s", "priority", "resume_probability", "prefetch_lead_s")
-           if k in args})
+        **{k: args[k] for k in ("elapsed_s", "deadline_s", "priority", "resume_probability", "prefetch_lead_s",
+                                "measured") if k in args})
     if not result["paused"] and result.get("reason") == "branch is closed":
         raise CtlError(409, f"branch {branch.session}/{branch.branch} is closed (nothing changed)")
     return result

@@ -17,7 +17,8 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
 
 Every state change is appended to a JSONL event log when ``AGENTCACHE_EVENT_LOG`` names a file:
 ``tool_wait`` (with the decision, retained tokens and bytes), ``restoring``/``decode`` (resume, with the
-restored tokens), ``cancelled`` (deadline), so tool wait is never counted as model latency.
+restored tokens), ``completed`` (closed by the agent, with the route or a ``close`` hint) and
+``cancelled`` (deadline, or an aborted subagent), so tool wait is never counted as model latency.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class PauseCoordinator:
         self._metrics = None  # created on first use, in a server with --enable-metrics
         self.active: dict[tuple[str, str, str], _Active] = {}
         self.leads: deque[float] = deque(maxlen=32)
+        self.measured: dict = {}  # rank 0's measured transfer bandwidths, relayed in every pause message
         self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
                          "deadline_clipped": 0, "prefetch_refused_lead": 0}
 
@@ -132,9 +134,12 @@ class PauseCoordinator:
             "priority": priority, "resume_probability": 1.0 if resume_required else 0.5}
         if ceilings is not None and ceilings.caps():
             args["caps"] = ceilings.caps()
+        if self.measured:
+            args["measured"] = dict(self.measured)
         status, result = await self.send("pause", args)
         if status != 200:
             return status, result
+        self.measured = result.get("measured") or self.measured
         self.book.model(namespace, tool_class)  # the class is real now: keep its model in the book
         self._cancel(key)
         self._count("pauses")
@@ -196,6 +201,14 @@ class PauseCoordinator:
         for key in [k for k in self.active if k[0] == namespace and k[1] == session
                     and (branch is None or k[2] == branch)]:
             self._cancel(key)
+
+    def finished(self, namespace: str, session: str, branch: str | None = None, *, state: str = "completed",
+                 reason: str = "route") -> None:
+        """A trajectory (branch, or every branch of a session) ended: ``completed`` (closed by the agent)
+        or ``cancelled`` (aborted); its timers go and the event log gets its final state."""
+        self.forget(namespace, session, branch)
+        args = {"namespace": namespace, "session": session} | ({"branch": branch} if branch is not None else {})
+        self.events.emit(state, args, reason=reason)
 
     def purge(self, namespace: str) -> int:
         """A tenant was purged: its timers and its learned tool latencies go. Returns pauses dropped."""

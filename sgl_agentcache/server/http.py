@@ -137,7 +137,11 @@ async def branch_close(request: Request) -> JSONResponse:
         return scope
     ref = scope.ref
     coordinator.forget(scope.namespace, ref.session, ref.branch)
-    return await _forward("branch_close", {"namespace": scope.namespace, "session": ref.session, "branch": ref.branch})
+    response = await _forward("branch_close", {"namespace": scope.namespace, "session": ref.session,
+                                               "branch": ref.branch})
+    if response.status_code == 200:
+        coordinator.finished(scope.namespace, ref.session, ref.branch)
+    return response
 
 
 @router.post("/session/close")
@@ -151,7 +155,10 @@ async def session_close(request: Request) -> JSONResponse:
     coordinator.forget(scope.namespace, ref.session)
     if scope.identity is not None:
         auth.tenancy.tombstone(scope.identity.tenant, ref.session, time.time())
-    return await _forward("session_close", {"namespace": scope.namespace, "session": ref.session})
+    response = await _forward("session_close", {"namespace": scope.namespace, "session": ref.session})
+    if response.status_code == 200:
+        coordinator.finished(scope.namespace, ref.session)
+    return response
 
 
 @router.post("/pause")

@@ -80,10 +80,34 @@ def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
     if getattr(obj, "kv_hints", None):
         validate_request_hints(obj)
     # With tenancy: the tenant's namespace replaces the client's, credentials are checked, hints clipped.
-    auth.bind_generate(obj, args[0] if args else kwargs.get("request"))
+    request = args[0] if args else kwargs.get("request")
+    auth.bind_generate(obj, request)
+    queue_priority(tokenizer_manager, obj, request)
     if getattr(obj, "kv_hints", None):
         _note_resumes(obj)
     return None
+
+
+def queue_priority(tokenizer_manager, obj, request=None) -> None:
+    """Priority is queue order, never memory: with SGLang's ``--enable-priority-scheduling`` a hint's
+    ``priority`` (already clipped to the tenant's ``max_priority``) becomes the request's SGLang priority
+    when the request sets none, so an urgent turn jumps the waiting queue; quotas and pins are unchanged.
+    With tenancy, a request's own SGLang ``priority`` is clipped to the same ceiling."""
+    from sgl_agentcache.server import auth
+
+    if not getattr(tokenizer_manager, "enable_priority_scheduling", False) or not hasattr(obj, "priority"):
+        return
+    from sglang.srt.runtime_context import get_schedule
+
+    sign = -1 if get_schedule().schedule_low_priority_values_first else 1  # SGLang's order vs. ours
+    if obj.priority is None and getattr(obj, "kv_hints", None) and not isinstance(obj.kv_hints, list):
+        hint = find_lifecycle_hint(obj.kv_hints)
+        if hint is not None and hint.priority is not None:
+            obj.priority = sign * hint.priority
+    if isinstance(obj.priority, int) and auth.tenancy is not None:
+        asked = {"priority": sign * obj.priority}
+        if auth.clip(auth.identity_of(request), asked, "/generate"):
+            obj.priority = sign * asked["priority"]
 
 
 def _note_resumes(obj) -> None:
@@ -103,9 +127,12 @@ def _note_resumes(obj) -> None:
         coordinator.note_request(namespace, hint.session, hint.branch)
 
 
-def _pause_after(obj) -> tuple | None:
-    """(namespace, hint) when a single request's hint says the call ends in a tool call (``tool_class``)."""
+def _watched(obj) -> tuple | None:
+    """(namespace, hint) when a single request's end matters to the coordinator: it pauses on a tool
+    (``tool_class``), it closes its branch (``close``), or it is a fork whose abort cancels the branch
+    (watched only while the event log is on: the abort itself is handled by the scheduler)."""
     from sgl_agentcache.lifecycle import namespace_key
+    from sgl_agentcache.server.http import coordinator
 
     if not getattr(obj, "kv_hints", None) or isinstance(obj.kv_hints, list):
         return None
@@ -113,28 +140,34 @@ def _pause_after(obj) -> tuple | None:
         hint = find_lifecycle_hint(obj.kv_hints)
     except HintError:
         return None  # the validation hook rejects it
-    if hint is None or hint.tool_class is None or hint.close:
+    if hint is None or not (hint.tool_class or hint.close or (hint.is_fork and coordinator.events.path)):
         return None
     single = lambda v: v if not isinstance(v, list) else None  # noqa: E731
     return namespace_key(single(getattr(obj, "extra_key", None)), single(getattr(obj, "cache_salt", None))), hint
 
 
 def _around_generate_request(original, tokenizer_manager, obj, *args, **kwargs):
-    """A hint with ``tool_class`` is a pause action: when the call finishes normally, the branch pauses
-    on that tool (decided and applied before the final response is returned, so the client sees it)."""
-    pause = _pause_after(obj)
+    """Act on how a call ends: a hint with ``tool_class`` pauses the branch on that tool when the call
+    finishes normally (decided and applied before the final response is returned, so the client sees
+    it); ``close`` completes the branch; an aborted fork is cancelled (event log)."""
+    watched = _watched(obj)
     gen = original(tokenizer_manager, obj, *args, **kwargs)
-    return gen if pause is None else _pausing(gen, *pause)
+    return gen if watched is None else _on_finish(gen, *watched)
 
 
-async def _pausing(gen, namespace: str, hint):
+async def _on_finish(gen, namespace: str, hint):
     from sgl_agentcache.server import auth
     from sgl_agentcache.server.http import coordinator
 
     ceilings = auth.ceilings_for(auth.identity_of())  # the hint itself was clipped at the front door
     async for item in gen:
         finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
-        if finish is not None and not (isinstance(finish, dict) and finish.get("type") == "abort"):
+        aborted = isinstance(finish, dict) and finish.get("type") == "abort"
+        if finish is not None and aborted and hint.is_fork:
+            coordinator.finished(namespace, hint.session, hint.branch, state="cancelled", reason="abort")
+        elif finish is not None and not aborted and hint.close:
+            coordinator.finished(namespace, hint.session, hint.branch, state="completed", reason="hint")
+        elif finish is not None and not aborted and hint.tool_class:
             try:
                 await coordinator.pause(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
                                         deadline_ms=hint.deadline_ms, priority=hint.priority or 0,

@@ -11,6 +11,7 @@ and out of every decision (the clock here only paces publishing).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 _METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -26,6 +27,46 @@ def metrics_enabled() -> bool:
         return bool(get_observability().enable_metrics)
     except Exception:  # noqa: BLE001 - no published config (offline caches): no metrics
         return False
+
+
+STARVATION_ENV = "AGENTCACHE_STARVATION_S"  # a request waiting longer than this counts as starved (30 s)
+PRIORITY_CLASSES = ("high", "normal", "low", "default")
+
+
+def priority_class(value, low_first: bool = False) -> str:
+    """``high`` / ``normal`` / ``low`` by the sign of a priority in our orientation (higher = more urgent),
+    or ``default`` for a request without one (SGLang's sentinel extremes)."""
+    if value is None or abs(value) >= sys.maxsize:
+        return "default"
+    ours = -value if low_first else value
+    return "high" if ours > 0 else "low" if ours < 0 else "normal"
+
+
+def queue_by_priority(scheduler, now: float | None = None) -> dict[str, dict]:
+    """The scheduler's waiting queue per priority class: requests, the oldest wait, and how many wait
+    longer than ``AGENTCACHE_STARVATION_S``. Observability only: nothing decides on it."""
+    low_first = bool(getattr(scheduler, "schedule_low_priority_values_first", False))
+    threshold = float(os.environ.get(STARVATION_ENV, 30))
+    now = time.perf_counter() if now is None else now  # SGLang stamps queue entry with perf_counter
+    out = {c: {"waiting": 0, "oldest_wait_s": 0.0, "starved": 0} for c in PRIORITY_CLASSES}
+    for req in list(getattr(scheduler, "waiting_queue", ()) or ()):
+        entry = out[priority_class(getattr(req, "priority", None), low_first)]
+        entered = getattr(getattr(req, "time_stats", None), "wait_queue_entry_time", 0.0) or 0.0
+        waited = now - entered if entered > 0 else 0.0
+        entry["waiting"] += 1
+        entry["oldest_wait_s"] = max(entry["oldest_wait_s"], waited)
+        entry["starved"] += waited > threshold
+    return out
+
+
+def paused_tokens_by_priority(pauses) -> dict[tuple[str, str], int]:
+    """Tokens of paused branches per (priority class, placement): where the eviction pressure lands."""
+    out: dict[tuple[str, str], int] = {}
+    for record in pauses.records.values():
+        priority = record.decision.inputs.priority if record.decision is not None else 0
+        key = (priority_class(priority), record.placement.value)
+        out[key] = out.get(key, 0) + record.tokens
+    return out
 
 
 class SchedulerMetrics:
@@ -52,6 +93,14 @@ class SchedulerMetrics:
         self.quota = counter("quota_clips", "Inserts clipped or own nodes evicted by a branch quota", ("kind",))
         self.faults = counter("transfer_fallbacks", "Offloads/restores that fell back to recompute", ("reason",))
         self.reclaimed = counter("reclaimed_tokens", "Tokens freed because their branch ended")
+        self.waiting = gauge("waiting_requests", "Requests waiting for admission, by priority class",
+                             ("priority_class",))
+        self.queue_age = gauge("queue_age_seconds", "Oldest wait in the admission queue, by priority class",
+                               ("priority_class",))
+        self.starved = gauge("starved_requests", f"Requests waiting longer than {STARVATION_ENV}, by priority class",
+                             ("priority_class",))
+        self.paused_tokens = gauge("paused_tokens", "Tokens of paused branches by priority class and placement "
+                                   "(where eviction pressure lands)", ("priority_class", "placement"))
 
     def _inc(self, metric, labels: tuple, total: float) -> None:
         """Counters are fed from cumulative totals: add what is new since the last publish."""
@@ -97,6 +146,15 @@ class SchedulerMetrics:
         for reason, n in pauses.counters["restore_failures"].items():
             self._inc(self.faults, (f"restore_{reason}",), n)
         self._inc(self.reclaimed, (), cache.freed_on_close_tokens)
+        if cache.scheduler is not None:
+            for cls, q in queue_by_priority(cache.scheduler).items():
+                self.waiting.labels(self.rank, cls).set(q["waiting"])
+                self.queue_age.labels(self.rank, cls).set(q["oldest_wait_s"])
+                self.starved.labels(self.rank, cls).set(q["starved"])
+        by_priority = paused_tokens_by_priority(pauses)
+        for cls in PRIORITY_CLASSES:
+            for placement in ("device", "host", "none"):
+                self.paused_tokens.labels(self.rank, cls, placement).set(by_priority.get((cls, placement), 0))
 
 
 class CoordinatorMetrics:

@@ -5,8 +5,9 @@ messages (the ``/agentcache/pause`` route, the replayer), identical on every TP 
 parts of a decision (the tool class's learned latency distribution, time left to the deadline) are
 computed once by the sender and travel in the message. Everything else the policy reads is tree state
 (retained tokens, free and evictable tokens, host headroom) or configuration (bandwidths and prefill
-rate of the deployment's profile), so every rank takes the same decision. Transfer seconds are
-measured for stats only.
+rate of the deployment's profile), so every rank takes the same decision. Transfer bandwidths are
+measured here; they enter decisions only as figures relayed back through the messages (rank 0's, see
+:meth:`PauseBook.measured`), never as each rank's own clock readings.
 
 What each action does to the branch's *movable suffix* -- the chain of device nodes it owns at the end
 of its path that nothing else holds (unlocked, no other device children; never the shared prefix):
@@ -49,6 +50,11 @@ MAX_KEPT_BRANCHES_ENV = "AGENTCACHE_MAX_KEPT_BRANCHES"      # per namespace, def
 MAX_KEPT_TOKENS_ENV = "AGENTCACHE_MAX_KEPT_TOKENS"          # per namespace, default pool / 2
 PREFETCH_TOKENS_ENV = "AGENTCACHE_PREFETCH_BUDGET_TOKENS"   # unused speculative tokens per namespace
 PROFILE_ENV = "AGENTCACHE_PROFILE"                          # bandwidths and prefill rate for decisions
+#: "1": decisions use the transfer bandwidths the host tier measured (relayed from rank 0, so every rank
+#: uses the same figures) once each direction has MIN_MEASURED_TRANSFERS copies; "0": the profile's.
+#: Default: on unless AGENTCACHE_PROFILE pins a profile.
+MEASURED_BANDWIDTH_ENV = "AGENTCACHE_USE_MEASURED_BANDWIDTH"
+MIN_MEASURED_TRANSFERS = 4
 
 
 @dataclass
@@ -65,6 +71,7 @@ class PauseSettings:
     prefetch_min_precision: float = 0.5  # below this (over the last window), prefetch turns itself off
     prefetch_window: int = 32
     prefetch_probe_every: int = 8  # while off, every n-th prefetch still runs, so it can turn back on
+    use_measured_bandwidth: bool = False  # see MEASURED_BANDWIDTH_ENV
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
@@ -90,7 +97,8 @@ def default_settings(allocator, pool_tokens: int) -> PauseSettings:
         h2d_bytes_per_s=profile.h2d_bytes_per_s, d2h_bytes_per_s=profile.d2h_bytes_per_s,
         prefill_tokens_per_s=profile.prefill_tokens_per_s, bytes_per_token=max(per_token, 1),
         max_kept_branches=env(MAX_KEPT_BRANCHES_ENV, 16), max_kept_tokens=env(MAX_KEPT_TOKENS_ENV, pool_tokens // 2),
-        prefetch_budget_tokens=env(PREFETCH_TOKENS_ENV, max(pool_tokens // 8, 1)))
+        prefetch_budget_tokens=env(PREFETCH_TOKENS_ENV, max(pool_tokens // 8, 1)),
+        use_measured_bandwidth=os.environ.get(MEASURED_BANDWIDTH_ENV, "0" if named else "1") == "1")
 
 
 @dataclass
@@ -166,10 +174,30 @@ class PauseBook:
 
     # ---- pause ----
 
+    def measured(self) -> dict:
+        """This rank's measured effective transfer bandwidths, per direction with enough copies behind
+        it. The HTTP side relays rank 0's figures back in later pause messages (see :meth:`inputs`)."""
+        out = {}
+        for name, stats in (("d2h_bytes_per_s", self.host.demotes), ("h2d_bytes_per_s", self.host.promotes)):
+            if stats.count >= MIN_MEASURED_TRANSFERS and stats.seconds > 0:
+                out[name] = stats.bytes / stats.seconds
+        return out
+
+    def _bandwidths(self, measured: dict | None) -> tuple[float, float, str]:
+        s = self.settings
+        if s.use_measured_bandwidth and measured:
+            h2d, d2h = measured.get("h2d_bytes_per_s"), measured.get("d2h_bytes_per_s")
+            if h2d or d2h:
+                return float(h2d or s.h2d_bytes_per_s), float(d2h or s.d2h_bytes_per_s), "measured"
+        return s.h2d_bytes_per_s, s.d2h_bytes_per_s, "profile"
+
     def inputs(self, branch: BranchKey, latency: LatencyDistribution, *, elapsed_s: float = 0.0,
                deadline_s: float | None = None, priority: int = 0, resume_probability: float = 1.0,
-               prefetch_lead_s: float = 0.0) -> PauseInputs:
-        """The policy's inputs for ``branch`` now: tree facts plus the sender's clock-derived values."""
+               prefetch_lead_s: float = 0.0, measured: dict | None = None) -> PauseInputs:
+        """The policy's inputs for ``branch`` now: tree facts plus the sender's clock-derived values.
+
+        ``measured`` is the sender's copy of rank 0's :meth:`measured` bandwidths (message data, so
+        every rank decides with the same figures); used when ``use_measured_bandwidth`` is on."""
         record = self.records.get(branch)
         suffix = self.movable_suffix(branch)
         tokens = sum(len(n.key) for n in suffix)
@@ -182,11 +210,12 @@ class PauseBook:
             if record.decision is not None:
                 previous = Incumbent(record.decision.action, record.decision.cost)
         allocator, s = self.cache.token_to_kv_pool_allocator, self.settings
+        h2d, d2h, _ = self._bandwidths(measured)
         return PauseInputs(
             retained_tokens=tokens, bytes_per_token=s.bytes_per_token, latency=latency,
             device_free_tokens=allocator.available_size(), device_evictable_tokens=self.cache.evictable_size(),
             device_total_tokens=allocator.size, host_free_bytes=self.host.free_tokens() * s.bytes_per_token,
-            h2d_bandwidth_Bps=s.h2d_bytes_per_s, d2h_bandwidth_Bps=s.d2h_bytes_per_s,
+            h2d_bandwidth_Bps=h2d, d2h_bandwidth_Bps=d2h,
             prefill_tokens_per_s=s.prefill_tokens_per_s, elapsed_s=elapsed_s, deadline_s=deadline_s,
             priority=priority, resume_probability=resume_probability, prefetch_lead_s=prefetch_lead_s,
             placement=placement, previous=previous)
@@ -247,7 +276,11 @@ class PauseBook:
                                "host_free_bytes": decision.inputs.host_free_bytes,
                                "latency_p50_s": decision.inputs.latency_p50_s,
                                "latency_p99_s": decision.inputs.latency_p99_s,
-                               "deadline_s": decision.inputs.deadline_s, "priority": decision.inputs.priority}
+                               "deadline_s": decision.inputs.deadline_s, "priority": decision.inputs.priority,
+                               "h2d_bytes_per_s": decision.inputs.h2d_bandwidth_Bps,
+                               "d2h_bytes_per_s": decision.inputs.d2h_bandwidth_Bps,
+                               "bandwidth_source": self._bandwidths(inputs.get("measured"))[2]}
+        entry["measured"] = self.measured()
         self.log.append(entry)
         logger.info("agentcache pause %s/%s (%s): %s", branch.session, branch.branch, tool_class,
                     entry["reason"] if applied is action else f"{action.value} -> {applied.value}")
@@ -543,7 +576,9 @@ class PauseBook:
                              "prefill_tokens_per_s": self.settings.prefill_tokens_per_s,
                              "max_kept_branches": self.settings.max_kept_branches,
                              "max_kept_tokens": self.settings.max_kept_tokens,
-                             "prefetch_budget_tokens": self.settings.prefetch_budget_tokens},
+                             "prefetch_budget_tokens": self.settings.prefetch_budget_tokens,
+                             "use_measured_bandwidth": self.settings.use_measured_bandwidth},
+                "measured": self.measured(),
                 "recent_decisions": list(self.log)[-16:]}
 
 
