@@ -231,3 +231,13 @@ def test_binding_refuses_credentials_and_changes_nothing(bound, tenancy):
         bound.bind_generate(SimpleNamespace(input_ids=[5], extra_key=None, cache_salt=None, kv_hints=envelope),
                             _request(None))
     assert bound.trust.rejected == {"forged_session": 1, "no_tenant": 1}
+
+
+def test_the_tenant_key_header_wins_over_sglangs_bearer():
+    """With SGLang's own --api-key the bearer carries SGLang's key; the tenant key rides beside it."""
+    from sgl_agentcache.server.auth import _presented_key
+
+    both = [(b"authorization", b"Bearer sglang-server-key"), (b"x-agentcache-key", b"tenant-key")]
+    assert _presented_key(both) == "tenant-key"
+    assert _presented_key([(b"authorization", b"Bearer tenant-key")]) == "tenant-key"
+    assert _presented_key([(b"authorization", b"Basic abc")]) is None and _presented_key([]) is None
