@@ -144,15 +144,19 @@ class TenancyMiddleware:
         if scope["type"] != "http" or tenancy is None or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # a server behind --fastapi-root-path: classify the route itself
+            path = path[len(root):] or "/"
         kind = tenancy.route_kind(path)
         identity = None
         if kind not in ("public", "open"):
-            identity = tenancy.authenticate(_presented_key(scope.get("headers", [])))
+            key = _presented_key(scope.get("headers", []))
+            identity = tenancy.authenticate(key)
             refusal = None
             if identity is None and _is_warmup(scope, path):
                 identity = Identity(None)  # the system namespace, no hints
             elif identity is None:
-                refusal = (401, "no_key" if _presented_key(scope.get("headers", [])) is None else "bad_key",
+                refusal = (401, "no_key" if key is None else "bad_key",
                            "a valid API key is required (x-agentcache-key or Authorization: Bearer)")
             elif kind == "tenant" and identity.admin:
                 refusal = (403, "admin_on_tenant_route", f"{path} serves tenants; use a tenant key")
