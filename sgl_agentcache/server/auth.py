@@ -33,11 +33,12 @@ _SCOPE_KEY = "agentcache.identity"
 
 #: The server's tenancy (None: tenancy off). Set once, in the HTTP process, before the app serves.
 tenancy: Tenancy | None = None
-#: Keyless loopback ``/generate`` calls still admitted for SGLang's own start-up warmup (which sends
-#: no tenant key). Non-zero only while the warmup runs (the server is not "up" yet); they run in the
-#: system namespace and may carry no hints.
+#: Keyless loopback calls still admitted for SGLang's own start-up warmup (which sends no tenant key):
+#: a few ``/generate`` and its closing ``/freeze_gc``. Non-zero only while the warmup runs (the server
+#: is not "up" yet); generations run in the system namespace and may carry no hints.
 _warmup_allowance = 0
 WARMUP_REQUESTS = 4
+WARMUP_PATHS = ("/generate", "/freeze_gc")
 _warmup_hosts = {"127.0.0.1", "::1"}  # plus the server's own address when it binds one interface
 _current: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("agentcache_identity", default=None)
 
@@ -154,7 +155,7 @@ class TenancyMiddleware:
             identity = tenancy.authenticate(key)
             refusal = None
             if identity is None and _is_warmup(scope, path):
-                identity = Identity(None)  # the system namespace, no hints
+                identity = Identity(None, admin=path != "/generate")  # system namespace, no hints
             elif identity is None:
                 refusal = (401, "no_key" if key is None else "bad_key",
                            "a valid API key is required (x-agentcache-key or Authorization: Bearer)")
@@ -177,7 +178,7 @@ class TenancyMiddleware:
 def _is_warmup(scope, path: str) -> bool:
     global _warmup_allowance
     client = scope.get("client") or ("", 0)
-    if _warmup_allowance > 0 and path == "/generate" and client[0] in _warmup_hosts:
+    if _warmup_allowance > 0 and path in WARMUP_PATHS and client[0] in _warmup_hosts:
         _warmup_allowance -= 1
         return True
     return False

@@ -163,7 +163,8 @@ async def _on_finish(gen, namespace: str, hint):
     async for item in gen:
         finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
         aborted = isinstance(finish, dict) and finish.get("type") == "abort"
-        if finish is not None and aborted and hint.is_fork:
+        refused = aborted and finish.get("status_code") == 400  # never started (e.g. unknown parent)
+        if finish is not None and aborted and hint.is_fork and not refused:
             coordinator.finished(namespace, hint.session, hint.branch, state="cancelled", reason="abort")
         elif finish is not None and not aborted and hint.close:
             coordinator.finished(namespace, hint.session, hint.branch, state="completed", reason="hint")
