@@ -346,8 +346,9 @@ class AgentRadixCache(UnifiedRadixCache):
 
         Every branch of it is closed (host copies, pins and prefetch state go with it), then every
         unlocked node of its subtrees is deleted, whatever its class (stable prefixes too). Nodes that a
-        running request still locks are reported as ``locked_tokens``; they stay cached for the rest of
-        that request only as ordinary evictable nodes of the tenant's namespace.
+        running request still locks cannot be freed now: they are reported as ``locked_tokens`` and stay
+        in the tenant's own namespace as ordinary cache until evicted (purge again once the tenant is
+        idle for a complete wipe). Deterministic on every rank: victims are ordered as in any reclaim.
         """
         suffix = "|" + salt
         pauses = self.pauses
