@@ -8,22 +8,15 @@ log's own prefill count). Never timing, never the 0.5x target (that is the full 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "server_recompute.py"
+from bench_module import load_bench
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("server_recompute_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("server_recompute")
 
 
 def test_plan_orders_forks_and_resumes():

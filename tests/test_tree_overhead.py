@@ -8,20 +8,13 @@ every cache passed its integrity check after playback.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "tree_overhead.py"
+from bench_module import load_bench
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("tree_overhead_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("tree_overhead")
 
 
 def test_quick_benchmark_compares_like_with_like_and_writes_every_section(tmp_path):

@@ -366,7 +366,7 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def _salted_nodes(self, salt: str) -> list:
         core = self.tree_core
-        return [n for n in core.all_nodes() if n is not core.root_node and getattr(n.key, "cache_salt", None) == salt]
+        return [n for n in core.all_nodes() if n is not core.root_node and n.key.cache_salt == salt]
 
     def reclaim_terminated(self) -> int:
         """Free every terminated node that is an unlocked device leaf, bottom-up. Returns tokens freed."""
@@ -438,12 +438,15 @@ class AgentRadixCache(UnifiedRadixCache):
 
     # ---- read-only views (served by /agentcache/stats and /agentcache/check) ----
 
-    def resident_tokens_by_class(self) -> dict[str, int]:
-        """Device-resident tokens per lifecycle class, plus ``terminated`` (not yet reclaimed)."""
+    def resident_tokens_by_class(self, namespace: str | None = None) -> dict[str, int]:
+        """Device-resident tokens per lifecycle class, plus ``terminated`` (not yet reclaimed); only
+        those of ``namespace`` when given."""
         counts = {"stable": 0, "session": 0, "scratch": 0, "untagged": 0, "terminated": 0}
         for node in self.tree_core.all_nodes():
             value = node.component_data[FULL].value
             if node is self.tree_core.root_node or value is None:
+                continue
+            if namespace is not None and namespace_key(node.key.extra_key, node.key.cache_salt) != namespace:
                 continue
             counts["terminated" if node.agent.terminated else node.agent.cls.name.lower()] += len(value)
         return counts
@@ -477,19 +480,12 @@ class AgentRadixCache(UnifiedRadixCache):
     def namespace_stats(self, namespace: str) -> dict:
         """One namespace's own view of the cache (what a tenant may read: nothing of anyone else's)."""
         core, pauses = self.tree_core, self.pauses
-        resident = {"stable": 0, "session": 0, "scratch": 0, "untagged": 0, "terminated": 0}
-        for node in core.all_nodes():
-            value = node.component_data[FULL].value
-            if node is core.root_node or value is None:
-                continue
-            if namespace_key(getattr(node.key, "extra_key", None), getattr(node.key, "cache_salt", None)) == namespace:
-                resident["terminated" if node.agent.terminated else node.agent.cls.name.lower()] += len(value)
         branches = sorted((b for b in core.owner_index if b.namespace == namespace),
                           key=lambda b: (b.session, b.branch))
         kept = [t for b, t in pauses.kept.items() if b.namespace == namespace]
         return {
             "namespace": namespace,
-            "resident_tokens": resident,
+            "resident_tokens": self.resident_tokens_by_class(namespace),
             "host_tokens": sum(pauses.host.tokens_of(b) for b in pauses.host.entries if b.namespace == namespace),
             "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "closed": b in self.closed}
                          for b in branches],

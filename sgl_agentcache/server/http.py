@@ -45,11 +45,8 @@ async def _body(request: Request, kind: type):
 
 
 async def _forward(op_name: str, args: dict | None = None, extra: dict | None = None) -> JSONResponse:
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    reply = await call_schedulers(get_global_state().tokenizer_manager, op_name, args)
-    body = reply.result | extra if reply.status == 200 and extra else reply.result
-    return JSONResponse(body, status_code=reply.status)
+    status, result = await _send(op_name, args or {})
+    return JSONResponse(result | extra if status == 200 and extra else result, status_code=status)
 
 
 class _Scope(NamedTuple):
