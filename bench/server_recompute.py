@@ -23,17 +23,20 @@ How the trace becomes traffic (as in ``sgl_agentcache/sim/replay.py``, but with 
 - Sampling. Greedy, ``ignore_eos``, ``max_new_tokens = min(trace output, output_cap)`` (at least 1).
 - Hints (agentcache only; stock gets the same bodies without ``kv_hints`` and none of our routes):
   session, branch, parent, ``stable_prefix_tokens``, ``fork_point_tokens`` (the parent prefix a fork
-  copied, which the harness knows) and ``close``; after a call that ends in a tool,
-  ``POST /agentcache/pause`` with the tool class (the server decides keep/offload/discard); trace
-  ``close_branch`` and ``abort`` events become ``/agentcache/branch/close``, ``close_session`` events
-  ``/agentcache/session/close``.
+  copied, which the harness knows) and ``close``; a call that ends in a tool carries the tool class
+  in its hint (``tool_class``: the branch pauses as the call finishes and the server decides
+  keep/offload/discard). ``PAUSE_VIA=route`` sends ``POST /agentcache/pause`` after the response
+  instead, the same decision a moment later, when other requests may already have evicted part of
+  the branch. Trace ``close_branch`` and ``abort`` events become ``/agentcache/branch/close``,
+  ``close_session`` events ``/agentcache/session/close``.
 
 Counted: ``computed = input - cached`` over served requests; host-tier restores count as cached (their
 KV is copied back, not prefilled; the JSON says how many). Cross-check: the server log's per-batch
 ``#new-token`` sum (it also sees retractions and chunking). ``ideal_computed`` is what a cache that
 never evicts (and shares even in-flight prefixes) would compute for the same prompts: the compulsory
 tokens, so ``ideal / stock`` is how far under stock any cache could get on this traffic. Each request
-row carries its ``ideal_cached`` and, for agentcache, the ``pause`` decision taken after it.
+row carries its ``ideal_cached`` and, for agentcache with ``PAUSE_VIA=route``, the ``pause`` decision
+taken after it (with hint pauses the decisions are in the server's stats).
 
 Why these parameters. The trace is scaled to the CPU (a 64-wide, 2-layer model decodes at ~0.1 s per
 token at 1k tokens of context): 256-token system prompt, 4-12 output tokens per call (decode is not
@@ -77,17 +80,18 @@ from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids  
 
 TARGET_RATIO = 0.5
 BACKENDS = ("stock", "agentcache")
-#: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool).
+#: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
+#: when pauses go through the route).
 ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "latency_s", "sent_s",
                "pause", "error")
 _TRACE = dict(session_rate=5.0, system_tokens=256, task_tokens=(50, 150), output_tokens=(4, 12),
               worker_task_tokens=(30, 100), result_tokens=(30, 120))
 MODES = {
     "full": dict(seed=1, pool_tokens=4096, context_length=2048, clients=6, time_scale=0.0, output_cap=16,
-                 deadline_s=1800, trace=_TRACE | dict(sessions=20, lead_turns=(3, 6), workers=(2, 4),
+                 deadline_s=1800, pause_via=os.environ.get("PAUSE_VIA", "hint"), trace=_TRACE | dict(sessions=20, lead_turns=(3, 6), workers=(2, 4),
                                                       worker_turns=(1, 3))),
     "quick": dict(seed=2, pool_tokens=4096, context_length=2048, clients=4, time_scale=0.0, output_cap=16,
-                  deadline_s=600, trace=_TRACE | dict(sessions=3, lead_turns=(3, 3), workers=(2, 2),
+                  deadline_s=600, pause_via="hint", trace=_TRACE | dict(sessions=3, lead_turns=(3, 3), workers=(2, 2),
                                                       worker_turns=(1, 2), spawn_p=1.0)),
 }
 
@@ -208,7 +212,10 @@ class Replayer:
         n = max(min(r.output_tokens, self.cfg["output_cap"]), 1)
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
         if self.agent:
-            body["kv_hints"] = lifecycle_envelope(self._hint(step, ids), message_id=r.id)
+            hint = self._hint(step, ids)
+            if r.tool is not None and self.cfg["pause_via"] == "hint":
+                hint["tool_class"] = r.tool.tool_class  # pause as the call finishes, before the response
+            body["kv_hints"] = lifecycle_envelope(hint, message_id=r.id)
         sent = time.monotonic()
         try:
             status, out = self.server.request("POST", "/generate", body, timeout=300)
@@ -223,7 +230,7 @@ class Replayer:
                         "latency_s": round(latency, 4), "sent_s": round(sent - t0, 3)}
         if not ok:
             self.rows[i]["error"] = str(out)[:300]
-        if self.agent and r.tool is not None:  # the branch now waits on its tool: the server decides
+        if self.agent and r.tool is not None and self.cfg["pause_via"] == "route":  # the server decides
             paused = self._post("/agentcache/pause", {"session": r.session, "branch": r.branch,
                                                       "tool_class": r.tool.tool_class})
             action = self.rows[i]["pause"] = paused.get("action", "error")
@@ -321,6 +328,10 @@ def summarise(rep: Replayer, wall_s: float, log: dict, stats: dict | None) -> di
     out["hit_rate"] = round(out["cached_tokens"] / max(out["input_tokens"], 1), 4)
     if stats is not None:
         out["agentcache"] = stats
+        pauses = stats["stats"].get("pauses", {})
+        if not rep.pauses and pauses:  # hint pauses: the server's own count ("none": too small to track)
+            decided = {k: v for k, v in pauses.get("decisions", {}).items() if v}
+            out["pause_decisions"] = dict(sorted((decided | {"none": pauses.get("too_small", 0)}).items()))
     return out
 
 

@@ -172,6 +172,8 @@ def parse_header(value: str) -> LifecycleHint:
 
 def _field(obj: Any, name: str) -> Any:
     """Read ``name`` from a dict-shaped or attribute-shaped object (None when absent)."""
+    if type(obj) is dict:  # the common case, without the ABC isinstance check (it runs per request)
+        return obj.get(name)
     if isinstance(obj, Mapping):
         return obj.get(name)
     return getattr(obj, name, None)

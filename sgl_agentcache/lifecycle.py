@@ -81,10 +81,11 @@ def eviction_rank(state: NodeState, session_ref: int, last_access: float, kept: 
     with a KEEP decision), then SGLang's session-radix references (unreferenced before referenced,
     fewer before more; all 0 without ``--enable-session-radix-cache``), then recency. Untagged traffic
     therefore keeps stock LRU order. An ``anchor`` -- the node an offloaded branch's host copy hangs
-    from -- is worth at least a stable prefix: without it the host copy cannot be restored.
+    from -- is worth at least a stable prefix: without it the host copy cannot be restored. That holds
+    even when the anchor's own branch has ended (a closed sibling created the prefix the copy shares).
     """
     value = 0 if state.terminated else KEPT_VALUE if kept else RETENTION_VALUE[state.cls]
-    if anchor and not state.terminated:
+    if anchor:
         value = max(value, RETENTION_VALUE[NodeClass.STABLE])
     return (value, session_ref > 0, session_ref, last_access)
 

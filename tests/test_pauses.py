@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
@@ -327,18 +328,102 @@ def test_repeated_pause_is_held_by_hysteresis_and_stats_report_it():
 
 
 def test_a_subagent_restore_brings_back_its_paused_leads_history_first():
-    """A lead pauses (offloaded) while a subagent forked from it pauses too; the lead's history is
-    then lost from the device. The subagent's restore brings the lead's copy back first."""
+    """A lead is offloaded, a subagent forked from it runs and is offloaded too, then everything
+    evictable leaves the device. The subagent's next request brings the lead's copy back first (the
+    lead is still paused: its copy stays on host), then its own on top."""
     h = Harness(pool_tokens=2048)
     lead_prompt = ids(1, 400)
     h.turn("p", lead_prompt, [5, 6])
     lead = lead_prompt + [5, 6]
+    assert h.pause("p", force=PauseAction.OFFLOAD)["tokens"] == 400 + 1 - STABLE
     fork_prompt = lead + ids(2, 200)
     h.turn("p", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    assert h.cache.pauses.counters["fork_restores"] == 1  # the fork needed the lead's history
     assert h.pause("p", branch="w", force=PauseAction.OFFLOAD)["tokens"] > 0
-    # The lead cannot move while its subagent's nodes hang below it: offload it once they are gone.
-    assert h.pause("p", force=PauseAction.OFFLOAD)["action"] == "offload"
+    with h.driver.activated():  # pressure: everything but the stable prefix (the last leaf) goes,
+        h.cache.evict(EvictParams(num_tokens=h.cache.evictable_size() - STABLE))  # anchor included
     again = h.turn("p", fork_prompt + [7, 8], [9], branch="w", parent_branch="main", fork_point_tokens=len(lead))
-    assert again.cached_tokens == len(fork_prompt) + 1  # stable + lead history + the subagent's own
-    assert h.cache.pauses.counters["parent_restores"] == 1
+    # The lead's last output token (inserted by the fork, past the lead's own copy) came back from the
+    # subagent's lead-in: without it the subagent's copy would have a one-token gap.
+    assert again.cached_tokens == len(fork_prompt) + 1  # lead history + the subagent's own, all restored
+    assert h.cache.pauses.counters["fork_restores"] == 2 and h.cache.pauses.counters["restore_failures"]["gap"] == 0
+    assert h.cache.pauses.host.tokens_of(BranchKey(NS, "p", "main")) == 400 + 1 - STABLE  # still paused
+    h.assert_clean()
+
+
+def test_a_copy_hung_from_a_closed_siblings_prefix_is_still_restored():
+    """Two subagents share a prefix past their fork point that the first one created (so it owns it).
+    The second is offloaded, then the first closes: the shared node is terminated, but the second's
+    host copy hangs from it, so it stays until that copy is restored (then reclaimed normally)."""
+    h = Harness(pool_tokens=2048)
+    lead = ids(1, 300) + [5]
+    h.turn("p", lead[:-1], [5, 6])
+    shared = lead + ids(2, 100)  # the task preamble both subagents get
+    first = shared + ids(3, 50)
+    second = shared + ids(4, 80)
+    fork = dict(parent_branch="main", fork_point_tokens=len(lead))
+    h.turn("p", first, [7], branch="w1", **fork)
+    h.turn("p", second, [8, 9], branch="w2", **fork)
+    assert h.pause("p", branch="w2", force=PauseAction.OFFLOAD)["action"] == "offload"
+    with h.driver.activated():
+        assert h.cache.close_branch(BranchKey(NS, "p", "w1"))["closed"]
+    h.assert_clean()  # the terminated shared node is an anchor: resident, and not a lagging leaf
+    again = h.turn("p", second + [8, 9], [1], branch="w2", **fork)
+    assert again.cached_tokens == len(second) + 1  # restored, not recomputed
+    assert h.cache.pauses.counters["restore_failures"]["gap"] == 0
+    with h.driver.activated():
+        h.cache.close_branch(BranchKey(NS, "p", "w2"))
+    assert not h.cache.pauses.anchors
+    h.assert_clean()
+
+
+def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_arrives():
+    """Admission (request arrival) ends the pause but leaves the host copy; the copy comes back when
+    the scheduler matches the request for a batch. Restored at arrival, it would sit unlocked while the
+    request waits, in the pool the running batch evicts from."""
+    from array import array
+
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_agentcache.server.offline import OfflineReq
+
+    h = Harness()
+    prompt = ids(0, 300)
+    h.turn("s", prompt, [7, 8])
+    owner = BranchKey(NS, "s", "main")
+    moved = h.pause("s", force=PauseAction.OFFLOAD)["tokens"]
+    follow = prompt + [7, 8] + ids(9, 10)
+    envelope = decode_kv_hints_envelope(lifecycle_envelope(hint("s"), message_id="late"))
+    req = OfflineReq("late", "", array("q", follow), SamplingParams(max_new_tokens=4), kv_hints=envelope)
+    with h.driver.activated():
+        assert h.cache.admit(req) is None
+        assert owner not in h.cache.pauses.records  # the pause is over...
+        assert h.cache.pauses.host.tokens_of(owner) == moved  # ...but the copy waits for the batch
+        assert h.cache.tree_core.resident_owned_tokens(owner) == 0
+        match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
+    assert match.device_prefix_len == 300 + 1  # restored, then matched
+    assert h.cache.pauses.host.used_tokens == 0 and h.cache.pauses.counters["restores"] == 1
+    h.assert_clean()
+
+
+def test_an_offload_never_moves_the_node_another_copy_hangs_from():
+    """w1 created the preamble both subagents share; w2 is offloaded first (its copy hangs from the
+    preamble). When w1 is offloaded too, the preamble stays: moving it would leave w2's copy without
+    its prefix."""
+    h = Harness(pool_tokens=2048)
+    lead = ids(1, 300) + [5]
+    h.turn("p", lead[:-1], [5, 6])
+    shared = lead + ids(2, 100)
+    fork = dict(parent_branch="main", fork_point_tokens=len(lead))
+    h.turn("p", shared + ids(3, 50), [7], branch="w1", **fork)
+    second = shared + ids(4, 80)
+    h.turn("p", second, [8, 9], branch="w2", **fork)
+    assert h.pause("p", branch="w2", force=PauseAction.OFFLOAD)["tokens"] == 80 + 1
+    assert h.pause("p", branch="w1", force=PauseAction.OFFLOAD)["tokens"] == 50  # not the 100 shared
+    again = h.turn("p", second + [8, 9], [1], branch="w2", **fork)
+    assert again.cached_tokens == len(second) + 1
+    assert h.cache.pauses.counters["restore_failures"]["gap"] == 0
     h.assert_clean()

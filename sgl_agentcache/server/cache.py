@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
+from sgl_agentcache.policy.pause import Placement
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
@@ -170,13 +171,29 @@ class AgentRadixCache(UnifiedRadixCache):
             refusal = parent_refusal(plan.parent.owner, self.seen, self.closed)
             if refusal is not None:
                 return refusal
+        # Host copies come back when the scheduler matches the request for a batch (match_prefix), not
+        # now: a request can wait in the queue for many steps, and KV restored at arrival sits unlocked
+        # meanwhile, in the pool the running batch is evicting from.
+        restores = []
+        if plan.parent is not None and plan.parent.owner in self.pauses.records:
+            restores.append(plan.parent.owner)  # a subagent needs its paused lead's history (first)
         if plan.own.owner is not None:
             self.seen.add(plan.own.owner)
-            if plan.own.owner in self.pauses.records:  # the tool returned: unpin or restore first
-                self.pauses.resume(plan.own.owner)
-        if plan.parent is not None and plan.parent.owner in self.pauses.records:
-            self.pauses.restore_for_fork(plan.parent.owner)  # a subagent needs its paused lead's history
+            if plan.own.owner in self.pauses.records:  # the tool returned: the pause ends now
+                if self.pauses.resume(plan.own.owner, restore=False).get("placement") == Placement.HOST.value:
+                    restores.append(plan.own.owner)
+        req.agentcache_restores = restores
         return None
+
+    def match_prefix(self, params):
+        """Stock match; first, for a request being matched by the scheduler, its deferred restores."""
+        req = params.req
+        if req is not None:
+            restores = getattr(req, "agentcache_restores", None)
+            if restores:
+                req.agentcache_restores = None
+                self.pauses.restore_for_request(restores, getattr(req, "agentcache_plan", None))
+        return super().match_prefix(params)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         plan = self._plan(req)
@@ -373,7 +390,10 @@ class AgentRadixCache(UnifiedRadixCache):
         core = self.tree_core
         if not core.reclaimable():  # runs every scheduler step: the common case must cost ~nothing
             return 0
-        freed = self._evict_nodes(core.terminated, budget=None)
+        # A terminated node a live host copy hangs from stays until that copy is restored or dropped
+        # (PauseBook.drop_host reclaims it then): freeing it would turn the restore into a recompute.
+        anchors = self.pauses.anchors
+        freed = self._evict_nodes(core.terminated.difference(anchors) if anchors else core.terminated, budget=None)
         self.freed_on_close_tokens += freed
         return freed
 
