@@ -16,7 +16,7 @@ of its path that nothing else holds (unlocked, no other device children; never t
   deadline or close. Pins are capped per namespace (branches and tokens); over the cap KEEP degrades
   to OFFLOAD (or DISCARD without host room) and the clip is counted.
 - OFFLOAD: the suffix is copied to the host tier and its device slots are freed; a few small nodes
-  above it that other branches own are copied too but stay (the lead-in, see ``_lead_in``). Resume
+  above it (usually other branches') are copied too but stay (the lead-in, see ``_lead_in``). Resume
   (the branch's next request when the scheduler matches it, the resume route or a prefetch) allocates
   slots, copies back what the device lost and re-inserts the nodes with their classes and owner. A
   full host tier or a failed copy falls back to DISCARD.
@@ -352,11 +352,12 @@ class PauseBook:
         return self.cache._evict_nodes(core.owner_index.get(branch, ()), budget=None)
 
     def _lead_in(self, chain: list) -> list:
-        """Small nodes just above ``chain`` that other branches own (not the stable prefix), at most
-        LEAD_IN_TOKENS in all, top-down. They are copied with the suffix but stay on the device: they
-        are what a fork's copy most often loses -- the parent's last output token, which the fork
-        inserted and the parent's own copy ends before; a preamble a sibling created -- and a restore
-        copies them back only if the device lost them. Only the node the suffix hangs from is
+        """Small nodes just above ``chain`` (not the stable prefix; usually other branches'), at most
+        LEAD_IN_TOKENS in all, top-down. They are copied with the suffix but stay on the device, and
+        count as the branch's host tokens (its quota) while the copy exists. They are what a fork's
+        copy most often loses -- the parent's last output token, which the fork inserted and the
+        parent's own copy ends before; a preamble a sibling created -- and a restore copies them back
+        only if the device lost them. Only the node the suffix hangs from is
         protected as the anchor: protecting the whole lead-in costs more than it saves (replayer,
         branch_heavy under a tight pool, 3 seeds: 0.53x of stock's recompute against 0.40x)."""
         core, lead_in, total = self.cache.tree_core, [], 0
