@@ -25,7 +25,7 @@ How the trace becomes traffic (as in ``sgl_agentcache/sim/replay.py``, but with 
   session, branch, parent, ``stable_prefix_tokens``, ``fork_point_tokens`` (the parent prefix a fork
   copied, which the harness knows) and ``close``; a call that ends in a tool carries the tool class
   in its hint (``tool_class``: the branch pauses as the call finishes and the server decides
-  keep/offload/discard). ``PAUSE_VIA=route`` sends ``POST /agentcache/pause`` after the response
+  keep/offload/discard). ``--pause-via route`` sends ``POST /agentcache/pause`` after the response
   instead, the same decision a moment later, when other requests may already have evicted part of
   the branch. Trace ``close_branch`` and ``abort`` events become ``/agentcache/branch/close``,
   ``close_session`` events ``/agentcache/session/close``.
@@ -35,7 +35,7 @@ KV is copied back, not prefilled; the JSON says how many). Cross-check: the serv
 ``#new-token`` sum (it also sees retractions and chunking). ``ideal_computed`` is what a cache that
 never evicts (and shares even in-flight prefixes) would compute for the same prompts: the compulsory
 tokens, so ``ideal / stock`` is how far under stock any cache could get on this traffic. Each request
-row carries its ``ideal_cached`` and, for agentcache with ``PAUSE_VIA=route``, the ``pause`` decision
+row carries its ``ideal_cached`` and, for agentcache with ``--pause-via route``, the ``pause`` decision
 taken after it (with hint pauses the decisions are in the server's stats).
 
 Why these parameters. The trace is scaled to the CPU (a 64-wide, 2-layer model decodes at ~0.1 s per
@@ -88,10 +88,10 @@ _TRACE = dict(session_rate=5.0, system_tokens=256, task_tokens=(50, 150), output
               worker_task_tokens=(30, 100), result_tokens=(30, 120))
 MODES = {
     "full": dict(seed=1, pool_tokens=4096, context_length=2048, clients=6, time_scale=0.0, output_cap=16,
-                 deadline_s=1800, pause_via=os.environ.get("PAUSE_VIA", "hint"), trace=_TRACE | dict(sessions=20, lead_turns=(3, 6), workers=(2, 4),
+                 deadline_s=1800, trace=_TRACE | dict(sessions=20, lead_turns=(3, 6), workers=(2, 4),
                                                       worker_turns=(1, 3))),
     "quick": dict(seed=2, pool_tokens=4096, context_length=2048, clients=4, time_scale=0.0, output_cap=16,
-                  deadline_s=600, pause_via="hint", trace=_TRACE | dict(sessions=3, lead_turns=(3, 3), workers=(2, 2),
+                  deadline_s=600, trace=_TRACE | dict(sessions=3, lead_turns=(3, 3), workers=(2, 2),
                                                       worker_turns=(1, 2), spawn_p=1.0)),
 }
 
@@ -458,9 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny trace (for the test)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON and PNG")
     ap.add_argument("--log-dir", help="keep the server logs here (default: a temporary directory)")
+    ap.add_argument("--pause-via", choices=("hint", "route"), default="hint",
+                    help="how a call that ends in a tool pauses its branch (see the module docstring)")
     args = ap.parse_args(argv)
     mode = "quick" if args.quick else "full"
-    cfg = MODES[mode]
+    cfg = MODES[mode] | {"pause_via": args.pause_via}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="server-recompute-") as tmp:
@@ -478,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[server_recompute] server logs in {log_dir}")
     result = {
         "benchmark": "server_recompute", "mode": mode,
-        "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py" + " --quick" * args.quick,
+        "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py" + " --quick" * args.quick
+                   + " --pause-via route" * (args.pause_via == "route"),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "sglang": _version("sglang"), "torch": _version("torch")},
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},
