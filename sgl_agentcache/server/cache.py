@@ -174,15 +174,15 @@ class AgentRadixCache(UnifiedRadixCache):
         # Host copies come back when the scheduler matches the request for a batch (match_prefix), not
         # now: a request can wait in the queue for many steps, and KV restored at arrival sits unlocked
         # meanwhile, in the pool the running batch is evicting from.
-        restores = []
+        parent = own = None
         if plan.parent is not None and plan.parent.owner in self.pauses.records:
-            restores.append(plan.parent.owner)  # a subagent needs its paused lead's history (first)
+            parent = plan.parent.owner  # a subagent needs its paused lead's history (restored first)
         if plan.own.owner is not None:
             self.seen.add(plan.own.owner)
             if plan.own.owner in self.pauses.records:  # the tool returned: the pause ends now
                 if self.pauses.resume(plan.own.owner, restore=False).get("placement") == Placement.HOST.value:
-                    restores.append(plan.own.owner)
-        req.agentcache_restores = restores
+                    own = plan.own.owner
+        req.agentcache_restores = (parent, own) if parent or own else None
         return None
 
     def match_prefix(self, params):
@@ -190,9 +190,9 @@ class AgentRadixCache(UnifiedRadixCache):
         req = params.req
         if req is not None:
             restores = getattr(req, "agentcache_restores", None)
-            if restores:
+            if restores is not None:
                 req.agentcache_restores = None
-                self.pauses.restore_for_request(restores, getattr(req, "agentcache_plan", None))
+                self.pauses.restore_for_request(*restores)
         return super().match_prefix(params)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:

@@ -511,20 +511,13 @@ class PauseBook:
         return {"resumed": True, "placement": record.placement.value, "restored_tokens": restored,
                 "prefetched_tokens": prefetched}
 
-    def restore_for_request(self, branches: list[BranchKey], plan=None) -> int:
+    def restore_for_request(self, parent: BranchKey | None, own: BranchKey | None) -> int:
         """A request is being matched for a batch: bring back the host copies its admission deferred
-        (``AgentRadixCache.admit``): a paused parent's history for a fork (kept on host too: the parent
-        is still paused), then the request's own branch's (consumed). Returns tokens restored."""
-        restored = 0
-        own = plan.own.owner if plan is not None else None
-        for branch in branches:
-            if branch in self.cache.closed:
-                continue  # closed since admission: its copy went with the close
-            if branch == own:
-                restored += self._restore(branch)
-            elif branch in self.records:
-                restored += self.restore_for_fork(branch)
-        return restored
+        (``AgentRadixCache.admit``): a paused ``parent``'s history for a fork (kept on host too: the
+        parent is still paused), then ``own`` branch's copy (consumed). A branch closed since admission
+        has no copy left (the close dropped it). Returns tokens restored."""
+        restored = self.restore_for_fork(parent) if parent is not None else 0
+        return restored + (self._restore(own) if own is not None else 0)
 
     def restore_for_fork(self, parent: BranchKey) -> int:
         """A new fork of a paused parent needs the parent's history: bring a host copy back now. The
