@@ -9,6 +9,14 @@ input tokens, ``meta_info.cached_tokens`` and so the prefill tokens actually com
 previous call ended in a tool call. Target (issue #8): agentcache computes <= 0.5x stock's prefill
 tokens with no extra failures. Writes ``server_recompute.json`` and ``server_recompute.png``.
 
+Passes. How the clients' calls interleave differs from pass to pass (thread scheduling, a loaded
+machine), and with it what is resident when a call arrives: one pass of this trace gave agentcache
+0.51x to 0.59x. So each server plays the trace ``passes`` times (7; ``--quick`` 2), its cache emptied
+by SGLang's own ``/flush_cache`` before each later pass (agentcache's session ids carry a per-pass
+tag, since sessions an earlier pass closed stay closed). A backend's figures are its *median pass*
+by prefill tokens computed (a pass that ran, with its rows and latencies), ``passes`` lists every
+pass, and the claim compares the two medians; failures count over all passes.
+
 How the trace becomes traffic (as in ``sgl_agentcache/sim/replay.py``, but with real outputs):
 
 - Prompts. A request whose blocks extend an earlier call ``P`` of its branch (or, for a fork's first
@@ -51,7 +59,7 @@ pause before a resume is the time the call waits for a free client, as on a satu
 Latencies are reported but are machine-dependent; the claim is about tokens.
 
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py [--quick] [--out DIR]``
-(default ``bench/results``; about 6-10 minutes, ``--quick`` about 3, most of it two server start-ups).
+(default ``bench/results``; about 3-6 minutes, ``--quick`` about 2, most of it two server start-ups).
 """
 
 from __future__ import annotations
@@ -87,10 +95,10 @@ ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "st
 _TRACE = dict(session_rate=5.0, system_tokens=256, task_tokens=(50, 150), output_tokens=(4, 12),
               worker_task_tokens=(30, 100), result_tokens=(30, 120))
 MODES = {
-    "full": dict(seed=1, pool_tokens=4096, context_length=2048, clients=6, time_scale=0.0, output_cap=16,
+    "full": dict(passes=7, seed=1, pool_tokens=4096, context_length=2048, clients=6, time_scale=0.0, output_cap=16,
                  deadline_s=1800, trace=_TRACE | dict(sessions=20, lead_turns=(3, 6), workers=(2, 4),
                                                       worker_turns=(1, 3))),
-    "quick": dict(seed=2, pool_tokens=4096, context_length=2048, clients=4, time_scale=0.0, output_cap=16,
+    "quick": dict(passes=2, seed=2, pool_tokens=4096, context_length=2048, clients=4, time_scale=0.0, output_cap=16,
                   deadline_s=600, trace=_TRACE | dict(sessions=3, lead_turns=(3, 3), workers=(2, 2),
                                                       worker_turns=(1, 2), spawn_p=1.0)),
 }
@@ -153,8 +161,10 @@ def fit_context(trace: Trace, context_length: int, output_cap: int) -> tuple[Tra
 class Replayer:
     """Sends the plan to one server; thread-safe by construction (a step reads only finished steps)."""
 
-    def __init__(self, server: CpuServer, trace: Trace, plan: list[Step], vocab: int, cfg: dict, agent: bool):
+    def __init__(self, server: CpuServer, trace: Trace, plan: list[Step], vocab: int, cfg: dict, agent: bool,
+                 tag: str = ""):
         self.server, self.trace, self.plan, self.vocab, self.cfg, self.agent = server, trace, plan, vocab, cfg, agent
+        self.tag = tag  # appended to session ids: a later pass must not meet the sessions an earlier one closed
         self.block = trace.header.block_tokens
         self.prompts: dict[int, list[int]] = {}
         self.outputs: dict[int, list[int]] = {}
@@ -177,8 +187,8 @@ class Replayer:
 
     def _hint(self, step: Step, ids: list[int]) -> dict:
         r = step.record
-        hint = {"session": r.session, "branch": r.branch, "stable_prefix_tokens": min(r.stable_prefix_tokens, len(ids)),
-                "close": r.close}
+        hint = {"session": r.session + self.tag, "branch": r.branch,
+                "stable_prefix_tokens": min(r.stable_prefix_tokens, len(ids)), "close": r.close}
         if r.parent_branch is not None:
             hint["parent_branch"] = r.parent_branch
             key = (r.tenant, r.session, r.branch)
@@ -202,9 +212,9 @@ class Replayer:
         r = step.record
         if isinstance(r, Event):
             if self.agent and r.kind == "close_session":
-                self._post("/agentcache/session/close", {"session": r.session})
+                self._post("/agentcache/session/close", {"session": r.session + self.tag})
             elif self.agent:  # close_branch, or an abort while the worker waits on its tool
-                self._post("/agentcache/branch/close", {"session": r.session, "branch": r.branch})
+                self._post("/agentcache/branch/close", {"session": r.session + self.tag, "branch": r.branch})
             return time.monotonic()
         ids = self._prompt(step)
         assert all(0 <= t < self.vocab for t in ids), f"{r.id}: token id out of range"  # one would kill SGLang
@@ -231,7 +241,7 @@ class Replayer:
         if not ok:
             self.rows[i]["error"] = str(out)[:300]
         if self.agent and r.tool is not None and self.cfg["pause_via"] == "route":  # the server decides
-            paused = self._post("/agentcache/pause", {"session": r.session, "branch": r.branch,
+            paused = self._post("/agentcache/pause", {"session": r.session + self.tag, "branch": r.branch,
                                                       "tool_class": r.tool.tool_class})
             action = self.rows[i]["pause"] = paused.get("action", "error")
             self.pauses[action] = self.pauses.get(action, 0) + 1
@@ -311,7 +321,17 @@ def log_counts(path: Path, offset: int) -> dict:
             "keep_clips": len(re.findall(r"keep of .* clipped", text))}
 
 
-def summarise(rep: Replayer, wall_s: float, log: dict, stats: dict | None) -> dict:
+def _hint_pause_decisions(stats: dict, before: dict | None) -> dict[str, int]:
+    """The server's own count of pause decisions (``none``: too small to track) since ``before``."""
+    def counts(s: dict | None) -> dict[str, int]:
+        pauses = (s or {}).get("stats", {}).get("pauses", {})
+        return {**pauses.get("decisions", {}), "none": pauses.get("too_small", 0)}
+
+    now, then = counts(stats), counts(before)
+    return {k: v - then.get(k, 0) for k, v in sorted(now.items()) if v - then.get(k, 0)}
+
+
+def summarise(rep: Replayer, wall_s: float, log: dict, stats: dict | None, stats_before: dict | None = None) -> dict:
     rows = list(rep.rows.values())
     served = [r for r in rows if r["status"] == 200]
     resumes = [r["latency_s"] for r in served if r["resume"]]
@@ -327,11 +347,9 @@ def summarise(rep: Replayer, wall_s: float, log: dict, stats: dict | None) -> di
            "server_log": log, "resume_latencies_s": sorted(resumes)}
     out["hit_rate"] = round(out["cached_tokens"] / max(out["input_tokens"], 1), 4)
     if stats is not None:
-        out["agentcache"] = stats
-        pauses = stats["stats"].get("pauses", {})
-        if not rep.pauses and pauses:  # hint pauses: the server's own count ("none": too small to track)
-            decided = {k: v for k, v in pauses.get("decisions", {}).items() if v}
-            out["pause_decisions"] = dict(sorted((decided | {"none": pauses.get("too_small", 0)}).items()))
+        out["agentcache"] = stats  # cumulative over the server's passes so far
+        if not rep.pauses:  # hint pauses: the server decided them; count this pass's
+            out["pause_decisions"] = _hint_pause_decisions(stats, stats_before)
     return out
 
 
@@ -346,18 +364,49 @@ def _agentcache_stats(server: CpuServer) -> dict:
     return {"stats": picked, "check_ok": check.get("ok"), "check": check if not check.get("ok") else None}
 
 
+def _flush(server: CpuServer) -> None:
+    """SGLang's ``/flush_cache`` between passes (refused while a request is still in flight: retry)."""
+    for _ in range(50):
+        status, out = server.request("POST", "/flush_cache")
+        if status == 200:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"/flush_cache kept failing: {status} {out}")
+
+
+#: Per-pass figures kept for every pass (the median pass keeps its full summary and rows).
+PASS_FIELDS = ("computed_tokens", "cached_tokens", "failures", "resume_computed_tokens", "resume_latency_s",
+               "wall_s", "pause_decisions")
+
+
 def run_backend(name: str, model, trace: Trace, plan: list[Step], cfg: dict, log_dir: Path) -> tuple[dict, list]:
+    """``cfg["passes"]`` passes of the trace on one fresh server, its cache flushed before each later
+    pass and (agentcache) its session ids tagged per pass. Returns the median pass's summary (by
+    prefill tokens computed; ``passes`` lists every pass) and that pass's request rows."""
     agent = name == "agentcache"
     log = log_dir / f"{name}.log"
     env = {"AGENTCACHE_EVENT_LOG": str(log_dir / "agentcache-events.jsonl")} if agent else {}
     server = CpuServer(str(model.path), backend="agentcache" if agent else None, log_path=log,
                        max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env)
+    runs = []
     with server.start():
-        offset = log.stat().st_size  # start-up's own warm-up prefills are not counted
-        rep = Replayer(server, trace, plan, model.vocab_size, cfg, agent)
-        wall = rep.run()
         stats = _agentcache_stats(server) if agent else None
-    summary = summarise(rep, wall, log_counts(log, offset), stats)
+        for k in range(cfg["passes"]):
+            if k:
+                _flush(server)
+            offset = log.stat().st_size  # start-up's warm-up prefills (and earlier passes) are not counted
+            rep = Replayer(server, trace, plan, model.vocab_size, cfg, agent, tag=f".p{k}" if k else "")
+            wall = rep.run()
+            before, stats = stats, _agentcache_stats(server) if agent else None
+            runs.append((summarise(rep, wall, log_counts(log, offset), stats, before), rep))
+            print(f"[server_recompute] {name} pass {k + 1}/{cfg['passes']}: "
+                  f"{runs[-1][0]['computed_tokens']:,} prefill tokens computed", flush=True)
+    order = sorted(range(len(runs)), key=lambda k: runs[k][0]["computed_tokens"])
+    median = order[(len(order) - 1) // 2]  # the lower median: a pass that ran, never an average
+    summary, rep = runs[median]
+    summary["pass_index"] = median
+    summary["passes"] = [{f: s[f] for f in PASS_FIELDS} | ({"check_ok": s["agentcache"]["check_ok"]} if agent else {})
+                         for s, _ in runs]
     return summary, [[rep.rows[i].get(c) for c in ROW_COLUMNS] for i in sorted(rep.rows)]
 
 
@@ -443,11 +492,15 @@ def dump_json(result: dict) -> str:
 
 
 def compare(stock: dict, ours: dict) -> dict:
-    """The claim: agentcache computes <= TARGET_RATIO x stock's prefill tokens, with no extra failures."""
+    """The claim: agentcache's median pass computes <= TARGET_RATIO x stock's median pass's prefill
+    tokens, with no extra failures over all passes."""
     ratio = ours["computed_tokens"] / max(stock["computed_tokens"], 1)
-    extra = ours["failures"] - stock["failures"]
+    extra = sum(p["failures"] for p in ours["passes"]) - sum(p["failures"] for p in stock["passes"])
+    per_pass = [o["computed_tokens"] / max(s["computed_tokens"], 1) for s, o in zip(stock["passes"], ours["passes"])]
     return {"computed_ratio": round(ratio, 4), "target_ratio": TARGET_RATIO,
             "pass": ratio <= TARGET_RATIO and extra <= 0, "extra_failures": extra,
+            # Spread: each agentcache pass over the stock pass of the same index (passes are independent).
+            "computed_ratio_by_pass": [round(r, 4) for r in per_pass],
             # How low any cache could go on this traffic (see ideal_computed), relative to stock.
             "ideal_ratio": round(ours["ideal_computed_tokens"] / max(stock["computed_tokens"], 1), 4),
             "resume_p50_ratio": round(ours["resume_latency_s"]["p50"] / max(stock["resume_latency_s"]["p50"], 1e-9), 4)}
@@ -458,11 +511,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny trace (for the test)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON and PNG")
     ap.add_argument("--log-dir", help="keep the server logs here (default: a temporary directory)")
+    ap.add_argument("--passes", type=int, help="passes of the trace per server (default: full 7, quick 2)")
     ap.add_argument("--pause-via", choices=("hint", "route"), default="hint",
                     help="how a call that ends in a tool pauses its branch (see the module docstring)")
     args = ap.parse_args(argv)
     mode = "quick" if args.quick else "full"
-    cfg = MODES[mode] | {"pause_via": args.pause_via}
+    cfg = MODES[mode] | {"pause_via": args.pause_via} | ({"passes": args.passes} if args.passes else {})
+    if cfg["passes"] < 1:
+        ap.error("--passes must be at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="server-recompute-") as tmp:
@@ -481,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "server_recompute", "mode": mode,
         "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py" + " --quick" * args.quick
-                   + " --pause-via route" * (args.pause_via == "route"),
+                   + " --pause-via route" * (args.pause_via == "route")
+                   + (f" --passes {args.passes}" if args.passes else ""),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "sglang": _version("sglang"), "torch": _version("torch")},
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},

@@ -39,7 +39,10 @@ Like with like. Stream-driven kinds (:data:`STREAM_KINDS`) must have equal count
 ``stock_again`` / ``ours_untagged`` / ``rust`` must match ``stock`` in every kind and in prefix hits
 (asserted). ``ours_hinted`` also runs ``admit`` and ``close`` (agent-only kinds), and by design keeps
 and evicts different KV, so its ``evict`` / ``query`` counts and its hits differ; its fair comparison
-is the total time for the same stream, which is what its ratio reports.
+is the total time for the same stream, which is what its ratio reports. Keeping more also means a
+bigger tree: ``tree_work`` (one untimed playback per variant) reports the nodes in the tree when a
+request arrives and the nodes SGLang's own insert walked, so the hinted ratio can be read as SGLang's
+code doing more work plus our bookkeeping.
 
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/tree_overhead.py [--quick] [--reps N] [--out PATH]``.
 Writes ``bench/results/tree_overhead.json`` by default. Timing is never asserted by tests.
@@ -486,6 +489,41 @@ def _raw_totals(reps: list[dict[str, dict]], variant: str, shim_ns: float) -> li
     return [sum(rep[variant]["ns"].values()) - shim_ns * sum(rep[variant]["calls"].values()) for rep in reps]
 
 
+@contextmanager
+def _counting_insert_steps(counts: Counter):
+    """Count, per tree core, the nodes SGLang's insert walks (``UnifiedTreeCore._insert_walk_step``)."""
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
+    step = UnifiedTreeCore._insert_walk_step
+
+    def counted(core, state):
+        counts[id(core)] += 1
+        return step(core, state)
+
+    UnifiedTreeCore._insert_walk_step = counted
+    try:
+        yield
+    finally:
+        UnifiedTreeCore._insert_walk_step = step
+
+
+def tree_work(stream: Stream, variant: str) -> dict:
+    """How much tree a variant's cache kept and walked on this stream (one untimed playback, Python
+    tree cores only): nodes in the tree when a request arrives (mean) and nodes SGLang's insert walked.
+    A cache that keeps more (the hinted one: that is its point) gives SGLang's own insert and match
+    longer paths to walk, so its time is not all bookkeeping; these figures say how much longer."""
+    counts: Counter = Counter()
+    player, sizes = Player(stream, variant), []
+    core = player.cache.tree_core
+    with _counting_insert_steps(counts):
+        for op in stream.ops:
+            if op[0] == "admit":
+                sizes.append(len(core._collect_all_nodes()) - 1)  # the root is not a node of the cache
+            player.step(op)
+    return {"mean_nodes_at_admit": round(statistics.fmean(sizes), 1) if sizes else 0.0,
+            "insert_walk_steps": counts[id(core)], "cached_tokens": player.cached_tokens}
+
+
 def run_workload(stream: Stream, reps: int, variants: list[str], shim_ns: float, log=print,
                  grow: float = 1.25) -> dict:
     """``reps`` repetitions of every variant (rotated order), checked and summarised.
@@ -512,7 +550,8 @@ def run_workload(stream: Stream, reps: int, variants: list[str], shim_ns: float,
     return {"workload": stream.workload, "scale": stream.scale, "record_pool_tokens": stream.record_pool_tokens,
             "pool_tokens": stream.pool_tokens, "stream_ops": stream.counts(),
             "prompt_tokens": sum(len(op[2]) for op in stream.ops if op[0] == "admit"),
-            "variants": _summarise(runs_by_rep, shim_ns)}
+            "variants": _summarise(runs_by_rep, shim_ns),
+            "tree_work": {v: tree_work(stream, v) for v in variants if v != "rust"}}
 
 
 def machine_info() -> dict:
@@ -616,6 +655,10 @@ def format_table(result: dict) -> str:
         raw = [f"{wl['variants'][v]['total_ms_median_of_reps']:.1f} ms" + (
             f" ({wl['variants'][v]['total_ratio_median_of_reps']:.3f}x)" if v != "stock" else "") for v in variants]
         lines.append(f"{'raw med':<8}" + "".join(f"{t:>26}" for t in raw))
+        work = wl["tree_work"]
+        lines.append("tree work (untimed): " + "; ".join(
+            f"{v} {w['mean_nodes_at_admit']} nodes at admit, {w['insert_walk_steps']} insert steps"
+            for v, w in work.items()))
     t = result["target"]
     lines.append(f"\ntarget <= {t['max_ratio']}x: untagged {t['ours_untagged_ratios']} "
                  f"{'PASS' if t['ours_untagged_pass'] else 'FAIL'}; hinted {t['ours_hinted_ratios']} "

@@ -195,7 +195,7 @@ def test_hysteresis_still_switches_on_a_real_change():
 
 def test_release_rules():
     base = seed_inputs(5.0)
-    assert decide(dataclasses.replace(base, retained_tokens=64)).action is RELEASE  # below min_tokens
+    assert decide(dataclasses.replace(base, retained_tokens=16)).action is RELEASE  # below min_tokens
     assert decide(dataclasses.replace(base, resume_probability=0.0)).action is RELEASE
     # A 5 s tool with 1 ms left to its deadline will almost never resume in time.
     assert decide(dataclasses.replace(base, latency=LogNormal(5.0, 0.3), deadline_s=0.001)).action is RELEASE

@@ -204,9 +204,9 @@ def test_measured_bandwidth_enters_decisions_only_as_relayed_message_data():
 
 def test_release_below_min_tokens_and_expire_releases_every_tier():
     h = Harness()
-    h.turn("tiny", ids(0, STABLE + 40), [3])
+    h.turn("tiny", ids(0, STABLE + 20), [3])
     owned = h.cache.tree_core.owned_tokens(BranchKey(NS, "tiny", "main"))
-    small = h.pause("tiny", latency=LogNormal(5.0, 1.0))  # 40 tokens < min_tokens: not worth a decision
+    small = h.pause("tiny", latency=LogNormal(5.0, 1.0))  # 20 tokens < min_tokens: not worth a decision
     assert small["action"] == "none" and not small["paused"]
     assert h.cache.tree_core.owned_tokens(BranchKey(NS, "tiny", "main")) == owned  # left to eviction
     assert h.cache.pauses.counters["too_small"] == 1 and not h.cache.pauses.records
@@ -270,10 +270,10 @@ def test_restore_with_its_prefix_gone_recomputes():
     prompt = ids(0, 300)
     h.turn("g", prompt, [3])
     h.pause("g", force=PauseAction.OFFLOAD)
+    h.cache.pauses.host.capacity_tokens = h.cache.pauses.host.used_tokens  # no room to spill the prefix
     with h.driver.activated():  # the stable prefix the suffix hangs from is evicted meanwhile
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
         h.cache.evict(EvictParams(num_tokens=1024))
+    assert h.cache.pauses.counters["anchor_spill_refused"]["host_full"] == 1
     again = h.turn("g", prompt + [3], [4])
     assert again.cached_tokens == 0
     assert h.cache.pauses.counters["restore_failures"]["gap"] == 1
@@ -378,8 +378,8 @@ def test_a_copy_hung_from_a_closed_siblings_prefix_is_still_restored():
 
 
 def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_arrives():
-    """Admission (request arrival) ends the pause but leaves the host copy; the copy comes back when
-    the scheduler matches the request for a batch. Restored at arrival, it would sit unlocked while the
+    """Admission (request arrival) marks the pause resuming and leaves the host copy; the copy comes
+    back, and the pause ends, when the scheduler matches the request for a batch. Restored at arrival, it would sit unlocked while the
     request waits, in the pool the running batch evicts from."""
     from array import array
 
@@ -400,12 +400,83 @@ def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_a
     req = OfflineReq("late", "", array("q", follow), SamplingParams(max_new_tokens=4), kv_hints=envelope)
     with h.driver.activated():
         assert h.cache.admit(req) is None
-        assert owner not in h.cache.pauses.records  # the pause is over...
+        assert h.cache.pauses.records[owner].resuming  # the request is here...
         assert h.cache.pauses.host.tokens_of(owner) == moved  # ...but the copy waits for the batch
         assert h.cache.tree_core.resident_owned_tokens(owner) == 0
         match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
     assert match.device_prefix_len == 300 + 1  # restored, then matched
+    assert owner not in h.cache.pauses.records  # the pause is over
     assert h.cache.pauses.host.used_tokens == 0 and h.cache.pauses.counters["restores"] == 1
+    h.assert_clean()
+
+
+def _waiting_request(h: Harness, rid: str, session: str, tokens: list[int]):
+    """A hinted request as the scheduler holds it in its waiting queue: admitted, not yet matched."""
+    from array import array
+
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_agentcache.server.offline import OfflineReq
+
+    envelope = decode_kv_hints_envelope(lifecycle_envelope(hint(session), message_id=rid))
+    req = OfflineReq(rid, "", array("q", tokens), SamplingParams(max_new_tokens=4), kv_hints=envelope)
+    with h.driver.activated():
+        assert h.cache.admit(req) is None
+    return req
+
+
+def _match(h: Harness, req) -> int:
+    """The scheduler's match of a waiting request (``init_next_round_input``): prefix tokens found."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    with h.driver.activated():
+        key = RadixKey(req.origin_input_ids)
+        return h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
+
+
+def test_a_restore_without_room_waits_for_the_requests_next_match():
+    """Running requests hold the pool when the resumed request is first matched: its copy stays on host
+    (no eviction, no failure) and comes back at a later match, once a request has finished."""
+    h = Harness(pool_tokens=1024)
+    prompt = ids(60, 300)
+    h.turn("w", prompt, [3, 4])
+    owner = BranchKey(NS, "w", "main")
+    moved = h.pause("w", force=PauseAction.OFFLOAD)["tokens"]
+    big = h.driver.admit("big", ids(61, 800), kv_hints=lifecycle_envelope(hint("big"), message_id="mb"))
+    req = _waiting_request(h, "late", "w", prompt + [3, 4] + ids(62, 10))
+
+    for _ in range(3):  # the scheduler matches a waiting request again every step
+        assert _match(h, req) < 300
+    pauses = h.cache.pauses
+    assert pauses.records[owner].resuming and pauses.host.tokens_of(owner) == moved
+    assert pauses.counters["restores_deferred"] == 3 and pauses.counters["restore_failures"]["no_room"] == 0
+
+    h.driver.finish(big)  # room appears
+    assert _match(h, req) == 300 + 1
+    assert req.agentcache_restores is None and owner not in pauses.records and pauses.host.used_tokens == 0
+    assert pauses.counters["restores"] == 1
+    h.assert_clean()
+
+
+def test_a_request_that_runs_without_its_deferred_restore_drops_the_copy_at_release():
+    """A scheduler may start a request whose copy found no room (a first chunk of a chunked prefill
+    needs less than the copy): it recomputes, and its release ends the pause and drops the copy."""
+    h = Harness(pool_tokens=1024)
+    prompt = ids(70, 300)
+    h.turn("a", prompt, [3, 4])
+    owner = BranchKey(NS, "a", "main")
+    h.pause("a", force=PauseAction.OFFLOAD)
+    big = h.driver.admit("big", ids(71, 800), kv_hints=lifecycle_envelope(hint("big"), message_id="mb"))
+    late = h.driver.admit("late", prompt + [3, 4] + ids(72, 10), max_prefill_tokens=64,
+                          kv_hints=lifecycle_envelope(hint("a"), message_id="ml"))
+    pauses = h.cache.pauses
+    assert late.cached_tokens <= STABLE and pauses.records[owner].resuming  # started without the copy
+    h.driver.abort(late)
+    assert owner not in pauses.records and pauses.host.used_tokens == 0
+    assert pauses.counters["restore_failures"]["no_room"] == 1
+    h.driver.finish(big)
     h.assert_clean()
 
 
@@ -426,4 +497,121 @@ def test_an_offload_never_moves_the_node_another_copy_hangs_from():
     again = h.turn("p", second + [8, 9], [1], branch="w2", **fork)
     assert again.cached_tokens == len(second) + 1
     assert h.cache.pauses.counters["restore_failures"]["gap"] == 0
+    h.assert_clean()
+
+
+def test_flush_cache_drops_every_pause_and_host_copy_with_the_tree():
+    """``/flush_cache`` (and a weight update) resets the tree: copies hung from it must not outlive it."""
+    h = Harness()
+    h.turn("off", ids(40, 300), [3, 4])
+    h.turn("kept", ids(41, 200), [5])
+    h.turn("gone", ids(42, 200), [6])
+    assert h.pause("off", force=PauseAction.OFFLOAD)["action"] == "offload"
+    assert h.pause("kept", force=PauseAction.KEEP)["action"] == "keep"
+    with h.driver.activated():
+        h.cache.close_branch(BranchKey(NS, "gone", "main"))
+    assert h.cache.pauses.host.used_tokens > 0 and h.cache.pauses.anchors
+
+    h.driver.flush_cache()
+
+    pauses = h.cache.pauses
+    assert not pauses.records and not pauses.kept and not pauses.anchors
+    assert pauses.host.used_tokens == 0 and pauses.host.used_bytes == 0 and not pauses.host.entries
+    assert h.driver.free_tokens() == h.driver.pool_tokens
+    h.assert_clean()
+    again = h.turn("off", ids(40, 300) + [3, 4] + ids(43, 10), [7])  # resumes as a plain recompute
+    assert again.cached_tokens == 0 and pauses.counters["restores"] == 0
+    assert h.pause("gone", force=PauseAction.OFFLOAD)["paused"] is False  # closed stays closed
+    h.assert_clean()
+
+
+def test_a_restore_that_cannot_make_room_evicts_nothing():
+    """Running requests hold most of the pool: evicting every unlocked node would still leave too
+    little for the copy, so the restore must fail without taking other branches' KV with it."""
+    h = Harness(pool_tokens=1024)
+    h.turn("r", ids(50, 300), [3, 4])
+    moved = h.pause("r", force=PauseAction.OFFLOAD)["tokens"]
+    big = h.driver.admit("big", ids(52, 780), kv_hints=lifecycle_envelope(hint("big"), message_id="mb"))
+    h.turn("other", ids(51, 150), [5])
+    evictable = h.cache.evictable_size()
+    assert 0 < evictable and h.driver.free_tokens() + evictable < moved  # no room, even after evicting all
+
+    assert h.call("resume", "r")["restored_tokens"] == 0
+    assert h.cache.pauses.counters["restore_failures"]["no_room"] == 1
+    assert h.cache.evictable_size() == evictable  # nothing was evicted for a restore that could not happen
+    h.driver.finish(big)
+    h.assert_clean()
+
+
+def test_when_eviction_takes_the_prefix_a_copy_hangs_from_the_prefix_joins_the_copy():
+    """Under pressure stock eviction reaches the anchor too (it ranks like a stable prefix, so only
+    after every lower-ranked leaf). Instead of leaving the copy with a gap, each node it takes is copied
+    in front of the copy, which then hangs from the node's parent: evict *everything*, and a paused
+    subagent still comes back whole, its lead's history included, with the lead's class and owner."""
+    h = Harness(pool_tokens=2048)  # a fork's quota is a quarter of the pool: 512 tokens, room for all
+    lead = ids(80, 300) + [5]
+    h.turn("s", lead[:-1], [5, 6])
+    fork_prompt = lead + ids(81, 100)
+    h.turn("s", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    worker = BranchKey(NS, "s", "w")
+    moved = h.pause("s", branch="w", force=PauseAction.OFFLOAD)["tokens"]
+    pauses = h.cache.pauses
+    assert pauses.anchors and pauses.host.tokens_of(worker) == moved
+    with h.driver.activated():
+        h.cache.evict(EvictParams(num_tokens=h.driver.pool_tokens))  # nothing evictable is left
+    assert h.cache.evictable_size() == 0 and not pauses.anchors  # the copy now starts at token 0
+    entry = pauses.host.entries[worker]
+    assert entry.start == 0 and pauses.host.tokens_of(worker) == len(fork_prompt) + 1
+    assert pauses.counters["anchor_spills"] >= 2 and pauses.counters["anchor_spilled_tokens"] == len(fork_prompt) + 1 - moved
+    h.assert_clean()
+
+    again = h.turn("s", fork_prompt + [7, 8], [9], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    assert again.cached_tokens == len(fork_prompt) + 1 and pauses.counters["restore_failures"]["gap"] == 0
+    lead_owner = BranchKey(NS, "s", "main")
+    assert h.cache.tree_core.owned_tokens(lead_owner) > 0  # the lead's history is the lead's again
+    assert h.cache.resident_tokens_by_class()["stable"] >= STABLE
+    h.assert_clean()
+
+
+def test_an_anchor_spill_over_the_branch_quota_is_refused():
+    """Host tokens count toward a branch's quota: a spill that would take the branch over it leaves the
+    copy as it was (it will gap, and recompute), and is counted."""
+    h = Harness(pool_tokens=2048)
+    lead = ids(82, 400) + [5]
+    h.turn("q", lead[:-1], [5, 6])
+    fork_prompt = lead + ids(83, 150)
+    h.turn("q", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    worker = BranchKey(NS, "q", "w")
+    moved = h.pause("q", branch="w", force=PauseAction.OFFLOAD)["tokens"]
+    h.cache.quotas[worker] = moved + 10  # no room in the quota for the lead's history
+    with h.driver.activated():
+        h.cache.evict(EvictParams(num_tokens=h.driver.pool_tokens))
+    pauses = h.cache.pauses
+    assert pauses.host.tokens_of(worker) == moved and pauses.counters["anchor_spill_refused"]["quota"] >= 1
+    assert pauses.counters["anchor_spilled_tokens"] == 0
+    h.assert_clean()
+
+
+def test_copies_hanging_from_one_node_share_its_spilled_kv():
+    """Two subagents forked at the same point, both offloaded: when eviction takes their lead's history,
+    it is copied to host once per node and shared by both copies; each still comes back whole."""
+    h = Harness(pool_tokens=2048)
+    lead = ids(84, 300) + [5]
+    h.turn("t", lead[:-1], [5, 6])
+    prompts = {w: lead + ids(85 + i, 60) for i, w in enumerate(("w1", "w2"))}
+    for w, prompt in prompts.items():
+        h.turn("t", prompt, [7, 8], branch=w, parent_branch="main", fork_point_tokens=len(lead))
+        h.pause("t", branch=w, force=PauseAction.OFFLOAD)
+    pauses = h.cache.pauses
+    demoted = pauses.host.demotes.tokens
+    with h.driver.activated():
+        h.cache.evict(EvictParams(num_tokens=h.driver.pool_tokens))
+    spilled = pauses.counters["anchor_spilled_tokens"]
+    copied = pauses.counters["anchor_spill_copied_tokens"]
+    assert spilled > 0 and pauses.host.demotes.tokens - demoted == copied == spilled // 2  # one transfer, two copies
+    assert all(pauses.host.entries[BranchKey(NS, "t", w)].start == 0 for w in prompts)
+    h.assert_clean()
+    for w, prompt in prompts.items():
+        again = h.turn("t", prompt + [7, 8], [9], branch=w, parent_branch="main", fork_point_tokens=len(lead))
+        assert again.cached_tokens == len(prompt) + 1
     h.assert_clean()

@@ -224,3 +224,21 @@ def test_event_log_follows_a_trajectory_to_its_end(server, tokens):
     states = [e["state"] for e in events if e["session"] == "traj"]
     assert states[0] == "tool_wait" and "restoring" in states and states[-1] == "completed", states
     assert any(e["state"] == "completed" and e["session"] == "traj2" and e["reason"] == "hint" for e in events)
+
+
+def test_flush_cache_drops_paused_branches_host_copies(server, tokens):
+    """SGLang's own ``/flush_cache`` empties the tree; the host copies and pins hung from it go too."""
+    prompt = tokens.ids(300)
+    _gen(server, prompt, "flushed", extra_key="flush-ns")
+    status, paused = _post(server, "/agentcache/pause", {"session": "flushed", "extra_key": "flush-ns",
+                                                         "tool_class": "ci_run"})
+    assert status == 200 and paused["action"] == "offload", paused
+    assert _stats(server)["pauses"]["host"]["used_tokens"] >= paused["tokens"] > 0
+    status, _ = server.request("POST", "/flush_cache")
+    assert status == 200
+    pauses = _stats(server)["pauses"]
+    assert pauses["host"]["used_tokens"] == 0 and pauses["paused_branches"] == 0 and pauses["kept_branches"] == 0
+    _check(server)
+    _, cached = _gen(server, prompt, "flushed", extra_key="flush-ns")  # serves normally, from nothing
+    assert cached == 0
+    _check(server)

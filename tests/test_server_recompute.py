@@ -73,8 +73,15 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
             assert b["resume_latency_s"][q] > 0
         assert b["wall_s"] > 0
 
+    for name, b in result["backends"].items():  # two passes, the cache flushed between them
+        assert len(b["passes"]) == result["config"]["passes"] == 2 and b["pass_index"] in (0, 1), name
+        assert b["passes"][b["pass_index"]]["computed_tokens"] == b["computed_tokens"], name
+        # Flushed: a later pass finds nothing of the earlier one, so it computes at least the ideal.
+        assert all(p["computed_tokens"] >= b["ideal_computed_tokens"] and p["failures"] == 0 for p in b["passes"])
+    assert len(cmp["computed_ratio_by_pass"]) == 2
+
     ours = result["backends"]["agentcache"]
     assert ours["control_errors"] == 0, ours["control_error_samples"]
-    assert sum(ours["pause_decisions"].values()) == stats["tool_calls"]
-    assert ours["agentcache"]["check_ok"] is True
+    for p in ours["passes"]:  # every pause of every pass decided, and the tree clean after each pass
+        assert sum(p["pause_decisions"].values()) == stats["tool_calls"] and p["check_ok"] is True, p
     assert result["backends"]["stock"]["pause_decisions"] == {}  # stock never sees our routes

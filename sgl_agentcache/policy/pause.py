@@ -105,7 +105,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     hysteresis: float = 0.2  # switching must save this fraction of the incumbent's cost...
     min_switch_gain: float = 1e-3  # ...plus this many cost-seconds
-    min_tokens: int = 128  # below: RELEASE (not worth tracking or moving between tiers)
+    min_tokens: int = 32  # below: RELEASE (not worth tracking or moving between tiers)
     min_resume_probability: float = 0.01  # p_eff below: RELEASE
     evictable_weight: float = 0.5  # g_e: an evictable token counts as this much headroom
     pressure_knee: float = 0.05  # k: headroom at which phi reaches about half its full-device value

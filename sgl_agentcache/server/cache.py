@@ -35,7 +35,6 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
-from sgl_agentcache.policy.pause import Placement
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
@@ -47,6 +46,7 @@ FULL = ComponentType.FULL
 #: Server-side ceilings (tokens a branch may own in the tree); hints can never raise them.
 BRANCH_QUOTA_ENV = "AGENTCACHE_BRANCH_QUOTA_TOKENS"    # forked branches (subagents): pool / 4
 SESSION_QUOTA_ENV = "AGENTCACHE_SESSION_QUOTA_TOKENS"  # root branches (a session's history): pool / 2
+_STOCK_FLUSH = UnifiedRadixCache.flush_pending_backups  # the per-step tick we extend (pinned)
 
 
 def _tp_rank() -> int:
@@ -179,9 +179,8 @@ class AgentRadixCache(UnifiedRadixCache):
             parent = plan.parent.owner  # a subagent needs its paused lead's history (restored first)
         if plan.own.owner is not None:
             self.seen.add(plan.own.owner)
-            if plan.own.owner in self.pauses.records:  # the tool returned: the pause ends now
-                if self.pauses.resume(plan.own.owner, restore=False).get("placement") == Placement.HOST.value:
-                    own = plan.own.owner
+            if plan.own.owner in self.pauses.records:  # the tool returned: the pause ends (see begin_resume)
+                own = self.pauses.begin_resume(plan.own.owner)
         req.agentcache_restores = (parent, own) if parent or own else None
         return None
 
@@ -190,9 +189,8 @@ class AgentRadixCache(UnifiedRadixCache):
         req = params.req
         if req is not None:
             restores = getattr(req, "agentcache_restores", None)
-            if restores is not None:
-                req.agentcache_restores = None
-                self.pauses.restore_for_request(*restores)
+            if restores is not None:  # what found no room stays pending for the request's next match
+                req.agentcache_restores = self.pauses.restore_for_request(*restores)
         return super().match_prefix(params)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
@@ -421,6 +419,15 @@ class AgentRadixCache(UnifiedRadixCache):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return tracker[FULL]
 
+    def _evict_device_leaf(self, node_id, tracker):
+        """Stock eviction of one leaf; a leaf host copies hang from is first spilled into them."""
+        anchors = self.pauses.anchors
+        if anchors:
+            node = self.tree_core.node_by_id(node_id)
+            if node in anchors:
+                self.pauses.spill_anchor(node)
+        return super()._evict_device_leaf(node_id, tracker)
+
     def evict(self, params):
         """Stock eviction, then reclaim of terminated nodes it exposed as leaves (same step)."""
         result = super().evict(params)
@@ -429,6 +436,10 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
+        restores = getattr(req, "agentcache_restores", None)
+        if restores is not None and restores[1] is not None:  # it ran (or left) without its own copy
+            req.agentcache_restores = None
+            self.pauses.end_resume(restores[1], abandoned=True)
         plan: InsertPlan | None = getattr(req, "agentcache_plan", None)
         if plan is None or plan is UNTAGGED_PLAN:
             self.reclaim_terminated()
@@ -444,13 +455,26 @@ class AgentRadixCache(UnifiedRadixCache):
                 self.close_branch(plan.own.owner)
         self.reclaim_terminated()
 
+    def reset(self) -> None:
+        """SGLang's full reset (``Scheduler.flush_cache``: ``/flush_cache``, weight updates) empties the
+        tree; pause state and host copies hang from its nodes, so they go too. What a branch *is* stays:
+        a closed branch is still closed after a flush, and quotas still apply."""
+        super().reset()
+        pauses = getattr(self, "pauses", None)  # SGLang's __init__ calls reset before ours runs
+        if pauses is not None:
+            freed = pauses.reset()
+            if freed:
+                logger.info("agentcache: cache reset dropped %d host-tier tokens of paused branches", freed)
+
     def release_radix_session(self, session_id: str) -> int:
         result = super().release_radix_session(session_id)
         self.close_session(None, session_id)
         return result
 
     def flush_pending_backups(self) -> None:
-        super().flush_pending_backups()
+        # Runs every scheduler step: the stock method is called directly (cheaper than super()) and
+        # an idle step costs two attribute tests.
+        _STOCK_FLUSH(self)
         if self.tree_core.terminated:
             self.reclaim_terminated()
         if self.metrics is not None:

@@ -163,6 +163,37 @@ class HostTier:
         self.used_bytes += nbytes
         return entry
 
+    def copy_out(self, device_indices):
+        """One device->host copy of ``device_indices`` (for :meth:`prepend`, which may hand the same
+        copy to several entries); raises :class:`TransferError` when it fails."""
+        began = time.perf_counter()
+        try:
+            self._maybe_fail("demote")
+            kv = self.allocator.get_cpu_copy(device_indices)
+        except Exception as exc:  # noqa: BLE001 - any copy failure leaves every entry as it was
+            self.demotes.failures += 1
+            raise TransferError(f"device->host copy of {len(device_indices)} tokens failed: {exc}") from exc
+        self.demotes.add(len(device_indices), _nbytes(kv), time.perf_counter() - began)
+        return kv
+
+    def prepend(self, entry: HostEntry, state: NodeState, kv, n: int) -> bool:
+        """Make ``kv`` (a :meth:`copy_out` of the ``n`` tokens just in front of ``entry``, ``[start - n,
+        start)``) the entry's new first segment. False when the tier is full. Entries may share one
+        copy; each counts it against the capacity (conservative: host memory holds it once)."""
+        if n <= 0 or n > entry.start:
+            raise ValueError(f"prepend: {n} tokens in front of offset {entry.start}")
+        if n > self.free_tokens():
+            self.refused_full += 1
+            return False
+        nbytes = _nbytes(kv)
+        entry.start -= n
+        entry.segments.insert(0, (entry.start, state.copy()))
+        entry.kv.insert(0, kv)
+        entry.nbytes += nbytes
+        self.used_tokens += n
+        self.used_bytes += nbytes
+        return True
+
     def promote(self, entry: HostEntry, first: int, device_indices) -> None:
         """Write ``entry``'s segments from index ``first`` on into ``device_indices`` (freshly
         allocated by the caller, one slot per token from ``segments[first]`` to the end); raises

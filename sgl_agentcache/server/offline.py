@@ -473,6 +473,15 @@ class OfflineDriver:
 
     # ---- radix-native sessions (--enable-session-radix-cache) ----
 
+    def flush_cache(self) -> None:
+        """``Scheduler.flush_cache``: with no live request, reset the tree and clear both pools."""
+        if self.live:
+            raise ValueError(f"cannot flush with {len(self.live)} live requests")
+        with self.activated():
+            self.cache.reset()
+            self.req_to_token_pool.clear()
+            self.allocator.clear()
+
     def open_session(self, session_id: str):
         """``tree_cache.open_radix_session`` as the scheduler runs it for ``OpenSessionReqInput``."""
         with self.activated():

@@ -23,8 +23,16 @@ of its path that nothing else holds (unlocked, no other device children; never t
 - DISCARD: every unlocked node the branch owns is freed now; resume re-prefills.
 - RELEASE: DISCARD plus the host copy; the pause is over (deadline passed, nothing worth keeping).
 
-Restores that cannot happen (the prefix the suffix hangs from was evicted, no device room, a failed
-copy) delete the host copy and leave the request to recompute: nothing leaks, and each case is counted.
+The node a copy hangs from (its *anchor*) ranks like a stable prefix. When stock eviction takes it
+anyway (every lower-ranked leaf is gone), its KV is first copied in front of each copy hanging from
+it (``spill_anchor``), which then hangs from the node's parent: under pressure a copy grows upward
+instead of losing its prefix, within the branch's quota and the host tier's room.
+
+A resumed request's copy comes back when the scheduler matches the request for a batch; with no room
+then (running requests hold the pool) it stays on host, the pause ``resuming``, and is tried again at
+the request's next match. Restores that cannot happen (the prefix the suffix hangs from is gone, the
+request started without room for it, a failed copy) delete the host copy and leave the request to
+recompute: nothing leaks, and each case is counted.
 """
 
 from __future__ import annotations
@@ -114,6 +122,7 @@ class PauseRecord:
     tokens: int  # the movable suffix when the pause began
     prefetched_tokens: int = 0  # restored speculatively, not yet used by a request
     prefetch_seconds: float = 0.0  # measured copy time of that restore (stats only)
+    resuming: bool = False  # the branch's request arrived; its host copy waits for the request's match
 
 
 def _key_tokens(key) -> array:
@@ -135,6 +144,9 @@ class PauseBook:
                          "refused_closed": 0, "too_small": 0,
                          "offload_fallbacks": {"host_full": 0, "transfer_failed": 0},
                          "restores": 0, "restored_tokens": 0, "fork_restores": 0, "parent_restores": 0,
+                         "restores_deferred": 0, "anchor_spills": 0, "anchor_spilled_tokens": 0,
+                         "anchor_spill_copied_tokens": 0,
+                         "anchor_spill_refused": {"quota": 0, "host_full": 0, "transfer_failed": 0},
                          "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0},
                          "deadline_releases": 0, "released_tokens": 0}
         self.prefetch = {"issued": 0, "used": 0, "wasted": 0, "tokens_prefetched": 0, "tokens_used": 0,
@@ -338,14 +350,76 @@ class PauseBook:
         entry = self.host.entries.get(branch)
         freed = self.host.delete(branch)
         if entry is not None and entry.anchor is not None:
-            left = self.anchors.get(entry.anchor, 0) - 1
-            if left > 0:
-                self.anchors[entry.anchor] = left
-            else:
-                self.anchors.pop(entry.anchor, None)
-                if entry.anchor.agent.terminated:
-                    self.cache.reclaim_terminated()
+            anchor = entry.anchor
+            if not self._unhang(entry) and anchor.agent.terminated:
+                self.cache.reclaim_terminated()
         return freed
+
+    def _hang(self, entry, anchor) -> None:
+        """Record that ``entry`` continues the device node ``anchor`` (protected while the copy exists)."""
+        if anchor is self.cache.tree_core.root_node:
+            entry.anchor = entry.anchor_owner = None
+            return
+        entry.anchor, entry.anchor_owner = anchor, anchor.agent.owner
+        self.anchors[anchor] = self.anchors.get(anchor, 0) + 1
+
+    def _unhang(self, entry) -> int:
+        """``entry`` no longer hangs from its anchor; returns how many copies still do."""
+        anchor, entry.anchor, entry.anchor_owner = entry.anchor, None, None
+        left = self.anchors.get(anchor, 0) - 1
+        if left > 0:
+            self.anchors[anchor] = left
+        else:
+            self.anchors.pop(anchor, None)
+        return max(left, 0)
+
+    def spill_anchor(self, node) -> None:
+        """Stock eviction is about to take ``node``, which host copies hang from: it ranks like a stable
+        prefix, so every leaf ranked below it is gone already (running requests hold the rest of the
+        pool). Rather than leave those copies with a gap, copy the node's KV in front of each and let
+        it hang from the node's parent. A copy keeps its gap when the host tier is full, the copy
+        fails, or the branch would go over its quota (host tokens count toward it)."""
+        cache, core = self.cache, self.cache.tree_core
+        entries = [(b, e) for b, e in self.host.entries.items() if e.anchor is node]
+        depth = core.depth(node)
+        copies: dict[int, object] = {}  # tokens -> one host copy, shared by the copies that need as many
+        for branch, entry in entries:
+            n = entry.start - depth  # a copy's lead-in may hold the node's tail (or all of it) already
+            if n > 0:
+                quota = cache.quotas.get(branch, cache.branch_quota_tokens)
+                if core.owned_tokens(branch) + entry.num_tokens + n > quota:
+                    self.counters["anchor_spill_refused"]["quota"] += 1
+                    continue
+                if n > self.host.free_tokens():
+                    self.host.refused_full += 1
+                    self.counters["anchor_spill_refused"]["host_full"] += 1
+                    continue
+                try:
+                    if n not in copies:
+                        copies[n] = self.host.copy_out(node.component_data[FULL].value[:n])
+                        self.counters["anchor_spill_copied_tokens"] += n
+                except TransferError as exc:
+                    logger.info("agentcache: spill of %d prefix tokens into %s/%s's copy failed: %s", n,
+                                branch.session, branch.branch, exc)
+                    self.counters["anchor_spill_refused"]["transfer_failed"] += 1
+                    continue
+                stored = self.host.prepend(entry, node.agent, copies[n], n)
+                if not stored:
+                    self.counters["anchor_spill_refused"]["host_full"] += 1
+                    continue
+                self.counters["anchor_spilled_tokens"] += n
+            self._unhang(entry)
+            self._hang(entry, self._in_front_of(node, depth, entry.start))
+            self.counters["anchor_spills"] += 1
+
+    def _in_front_of(self, node, depth: int, start: int):
+        """The deepest ancestor of ``node`` (whose key starts at offset ``depth``) holding tokens before
+        offset ``start``: what a copy starting there hangs from (the root: nothing)."""
+        root, anchor = self.cache.tree_core.root_node, node.parent
+        while anchor is not root and depth - len(anchor.key) >= start:
+            depth -= len(anchor.key)
+            anchor = anchor.parent
+        return anchor
 
     def _discard(self, branch: BranchKey) -> int:
         core = self.cache.tree_core
@@ -408,10 +482,7 @@ class PauseBook:
             return None
         # The anchor (protected while the copy exists) is the node the suffix hangs from, not the top
         # of the lead-in: the lead-in is insurance against losing it, not a reason to protect more.
-        anchor = chain[0].parent
-        if anchor is not core.root_node:
-            entry.anchor, entry.anchor_owner = anchor, anchor.agent.owner
-            self.anchors[anchor] = self.anchors.get(anchor, 0) + 1
+        self._hang(entry, chain[0].parent)
         moved = sum(len(n.key) for n in chain)
         if not evict:
             return moved
@@ -421,11 +492,14 @@ class PauseBook:
 
     # ---- resume, prefetch, deadline, close ----
 
-    def _restore(self, branch: BranchKey, keep_host: bool = False, _chain: frozenset = frozenset()) -> int:
+    def _restore(self, branch: BranchKey, keep_host: bool = False, _chain: frozenset = frozenset(),
+                 defer: bool = False) -> int | None:
         """Bring ``branch``'s host copy back into the tree; returns tokens restored (0: recompute).
         The host copy is deleted, unless ``keep_host`` (a speculative or fork-driven restore keeps it
         until the branch resumes, whether it succeeded or not: if the device copy is evicted again
-        meanwhile, or the prefix or the room was missing this time, a later restore can still serve)."""
+        meanwhile, or the prefix or the room was missing this time, a later restore can still serve).
+        With ``defer`` (a restore for a waiting request), a lack of room is not a failure yet: the copy
+        stays and None says "try again at the request's next match"."""
         entry = self.host.entries.get(branch)
         if entry is None:
             return 0
@@ -459,11 +533,17 @@ class PauseBook:
         allocator = cache.token_to_kv_pool_allocator
         lock = cache.lock(match.last_device_node)  # the prefix we hang from must survive the eviction
         try:
-            if allocator.available_size() < n:
-                cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            short = n - allocator.available_size()
+            # Evict only if that makes room: an eviction that still leaves too little frees KV other
+            # requests may need and restores nothing (running requests hold the rest of the pool).
+            if 0 < short <= cache.evictable_size():
+                cache.evict(EvictParams(num_tokens=short))
             new = allocator.alloc(n) if allocator.available_size() >= n else None
         finally:
             cache.unlock(lock)
+        if new is None and defer:
+            self.counters["restores_deferred"] += 1
+            return None
         if new is None:
             self.counters["restore_failures"]["no_room"] += 1
             logger.info("agentcache: restore of %s/%s: no room for %d tokens%s", branch.session, branch.branch, n,
@@ -511,21 +591,65 @@ class PauseBook:
         return {"resumed": True, "placement": record.placement.value, "restored_tokens": restored,
                 "prefetched_tokens": prefetched}
 
-    def restore_for_request(self, parent: BranchKey | None, own: BranchKey | None) -> int:
+    def begin_resume(self, branch: BranchKey) -> BranchKey | None:
+        """The paused ``branch``'s next request arrived. A host copy stays, with its record (now
+        ``resuming``), until that request is matched for a batch (:meth:`restore_for_request`): a
+        request can wait in the queue for many steps, and KV restored at arrival would sit unlocked
+        meanwhile, in the pool the running batch evicts from. Returns ``branch`` when its copy waits
+        for the match; otherwise the pause ends now (unpinned) and it returns None."""
+        record = self.records.get(branch)
+        if record is None or record.placement is not Placement.HOST or branch not in self.host.entries:
+            self.resume(branch, restore=False)
+            return None
+        if record.prefetched_tokens:  # judged now: the request is here, whatever the restore finds
+            self._prefetch_outcome(branch, record)
+            record.prefetched_tokens = 0
+        record.resuming = True
+        return branch
+
+    def restore_for_request(self, parent: BranchKey | None, own: BranchKey | None) -> tuple | None:
         """A request is being matched for a batch: bring back the host copies its admission deferred
         (``AgentRadixCache.admit``): a paused ``parent``'s history for a fork (kept on host too: the
-        parent is still paused), then ``own`` branch's copy (consumed). A branch closed since admission
-        has no copy left (the close dropped it). Returns tokens restored."""
-        restored = self.restore_for_fork(parent) if parent is not None else 0
-        return restored + (self._restore(own) if own is not None else 0)
+        parent is still paused), then ``own`` branch's copy, which ends ``own``'s pause. A branch closed
+        since admission has no copy left (the close dropped it).
 
-    def restore_for_fork(self, parent: BranchKey) -> int:
+        A copy that finds no room (running requests hold the pool) stays for the next match: the
+        scheduler cannot admit the request either until room appears. Returns the ``(parent, own)``
+        still to restore, or None when nothing is left."""
+        if parent is not None and self.restore_for_fork(parent, defer=True) is not None:
+            parent = None
+        if own is not None:
+            record = self.records.get(own)
+            if record is None or not record.resuming:  # closed, expired or paused afresh meanwhile
+                own = None
+            elif self._restore(own, defer=True) is not None:  # restored, or failed for good: consumed
+                self.end_resume(own)
+                own = None
+        return (parent, own) if parent or own else None
+
+    def end_resume(self, branch: BranchKey, abandoned: bool = False) -> None:
+        """End a ``resuming`` pause: its request restored the copy, or (``abandoned``) ran or left
+        without it (the tokens were recomputed). The record and the host copy go."""
+        record = self.records.get(branch)
+        if record is None or not record.resuming:
+            return
+        if abandoned:
+            self.counters["restore_failures"]["no_room"] += 1
+            logger.info("agentcache: restore of %s/%s: its request ran without it (no room); recomputed",
+                        branch.session, branch.branch)
+        self.records.pop(branch)
+        self._drop_host(branch)  # already gone unless abandoned
+
+    def restore_for_fork(self, parent: BranchKey, defer: bool = False) -> int | None:
         """A new fork of a paused parent needs the parent's history: bring a host copy back now. The
-        parent stays paused (its tool is still running), its KV on device (unpinned) and on host."""
+        parent stays paused (its tool is still running), its KV on device (unpinned) and on host.
+        ``defer``: see :meth:`_restore` (None: no room yet, try again)."""
         record = self.records.get(parent)
         if record is None or record.placement is not Placement.HOST:
             return 0
-        restored = self._restore(parent, keep_host=True)
+        restored = self._restore(parent, keep_host=True, defer=defer)
+        if restored is None:
+            return None
         if parent not in self.host.entries:
             record.placement = Placement.NONE
         self.counters["fork_restores"] += 1
@@ -610,6 +734,19 @@ class PauseBook:
         self.kept.pop(branch, None)
         return self._drop_host(branch)
 
+    def reset(self) -> int:
+        """The tree was rebuilt empty (SGLang's full reset: ``/flush_cache``, a weight update): every
+        pause record, pin, anchor and host copy referred to it, so all go. Returns host tokens freed.
+        Counters stay (they are cumulative, like the metrics that export them)."""
+        for branch, record in self.records.items():
+            if record.prefetched_tokens:
+                self._prefetch_outcome(branch, record, used=False)
+        freed = sum(self.host.delete(branch) for branch in list(self.host.entries))
+        self.records.clear()
+        self.kept.clear()
+        self.anchors.clear()
+        return freed
+
     # ---- views ----
 
     def stats(self) -> dict:
@@ -620,6 +757,7 @@ class PauseBook:
         judged = prefetch["used"] + prefetch["wasted"]
         prefetch["precision"] = prefetch["used"] / judged if judged else None
         return {"paused_branches": len(self.records), "paused_by_placement": by_place,
+                "resuming_branches": sum(r.resuming for r in self.records.values()),
                 "kept_branches": len(self.kept), "kept_tokens": sum(self.kept.values()),
                 "host": self.host.stats(), "prefetch": prefetch, **self.counters,
                 "settings": {"bytes_per_token": self.settings.bytes_per_token,
