@@ -615,3 +615,20 @@ def test_copies_hanging_from_one_node_share_its_spilled_kv():
         again = h.turn("t", prompt + [7, 8], [9], branch=w, parent_branch="main", fork_point_tokens=len(lead))
         assert again.cached_tokens == len(prompt) + 1
     h.assert_clean()
+
+
+def test_discarding_a_lead_spills_the_node_its_subagents_copy_hangs_from():
+    """Not only stock eviction: when the lead's own pause frees its nodes (DISCARD), the node a
+    paused subagent's copy hangs from goes into that copy first, so the subagent still resumes whole."""
+    h = Harness(pool_tokens=2048)
+    lead = ids(90, 300) + [5]
+    h.turn("d", lead[:-1], [5, 6])
+    fork_prompt = lead + ids(91, 80)
+    h.turn("d", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    h.pause("d", branch="w", force=PauseAction.OFFLOAD)
+    assert h.pause("d", force=PauseAction.DISCARD)["tokens"] > 0  # the lead's history leaves the device
+    pauses = h.cache.pauses
+    assert pauses.counters["anchor_spilled_tokens"] > 0 and pauses.counters["anchor_spills"] >= 1
+    again = h.turn("d", fork_prompt + [7, 8], [9], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    assert again.cached_tokens == len(fork_prompt) + 1 and pauses.counters["restore_failures"]["gap"] == 0
+    h.assert_clean()

@@ -299,10 +299,23 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def _settle(self, req, plan: InsertPlan) -> None:
         """Split the nodes this insert created at the plan's boundaries and stamp each part."""
-        fresh = self.tree_core.take_fresh()
-        if fresh and req.last_node is not None:
-            self.classify_created(req.last_node, fresh, plan.boundaries(),
-                                  lambda node, start: self._stamp(node, plan, start))
+        core = self.tree_core
+        fresh = core.take_fresh()
+        if not fresh or req.last_node is None:
+            return
+        boundaries = plan.boundaries()
+        if not boundaries:  # one class and owner throughout: every created node got it at birth
+            return
+        # The common insert extends a branch past its fork point and stable prefix: every created node
+        # (the tail of the path) already has the plan's own state, stamped at birth, which is what
+        # _stamp would give it; skip the walk. The boundary rounds up to its page's end.
+        node = core.node_by_id(req.last_node)
+        while node.parent in fresh:
+            node = node.parent
+        last = boundaries[-1] + (-boundaries[-1] % self.page_size)
+        if node in fresh and core.depth(node) >= last:
+            return
+        self.classify_created(req.last_node, fresh, boundaries, lambda node, start: self._stamp(node, plan, start))
 
     def classify_created(self, last_node_id, fresh, boundaries, stamp) -> None:
         """Split the ``fresh`` nodes on the path to ``last_node_id`` at ``boundaries`` (absolute token
@@ -399,10 +412,11 @@ class AgentRadixCache(UnifiedRadixCache):
         """Delete unlocked device leaves among ``candidates`` (oldest first; a parent that becomes a leaf
         and is a candidate follows) until ``budget`` tokens are freed or none is left.
 
-        Deleted, never written to host: this is reclaim of state nobody will read again. Ties are broken
-        by node id so every rank picks the same victims.
+        Deleted, never written to host (state nobody will read again), except a node host copies hang
+        from, which is spilled into them first (``PauseBook.spill_anchor``). Ties are broken by node
+        id so every rank picks the same victims.
         """
-        core = self.tree_core
+        core, anchors = self.tree_core, self.pauses.anchors
         members = set(candidates)
         heap = [(n.last_access_time, n.id, n) for n in members if core.is_device_leaf(n)]
         heapq.heapify(heap)
@@ -411,6 +425,8 @@ class AgentRadixCache(UnifiedRadixCache):
             _, _, node = heapq.heappop(heap)
             if not core.is_device_leaf(node):
                 continue
+            if anchors and node in anchors:  # as in stock eviction (_evict_device_leaf)
+                self.pauses.spill_anchor(node)
             parent = node.parent
             result = core.evict_device_leaf(node.id, is_write_back=False)
             self._apply_eviction_result(result)
