@@ -15,7 +15,9 @@ machine), and with it what is resident when a call arrives: one pass of this tra
 by SGLang's own ``/flush_cache`` before each later pass (agentcache's session ids carry a per-pass
 tag, since sessions an earlier pass closed stay closed). A backend's figures are its *median pass*
 by prefill tokens computed (a pass that ran, with its rows and latencies), ``passes`` lists every
-pass, and the claim compares the two medians; failures count over all passes.
+pass, and the claim compares the two medians; failures count over all passes. A flush empties the
+cache, not what agentcache has learned: the tool classes' latency model carries over from pass to
+pass, as it would on a long-running server.
 
 How the trace becomes traffic (as in ``sgl_agentcache/sim/replay.py``, but with real outputs):
 
@@ -516,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="how a call that ends in a tool pauses its branch (see the module docstring)")
     args = ap.parse_args(argv)
     mode = "quick" if args.quick else "full"
-    cfg = MODES[mode] | {"pause_via": args.pause_via} | ({"passes": args.passes} if args.passes else {})
+    cfg = MODES[mode] | {"pause_via": args.pause_via} | ({"passes": args.passes} if args.passes is not None else {})
     if cfg["passes"] < 1:
         ap.error("--passes must be at least 1")
     out = Path(args.out)
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "server_recompute", "mode": mode,
         "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py" + " --quick" * args.quick
                    + " --pause-via route" * (args.pause_via == "route")
-                   + (f" --passes {args.passes}" if args.passes else ""),
+                   + (f" --passes {args.passes}" if args.passes is not None else ""),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "sglang": _version("sglang"), "torch": _version("torch")},
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},

@@ -374,11 +374,12 @@ class PauseBook:
         return max(left, 0)
 
     def spill_anchor(self, node) -> None:
-        """Stock eviction is about to take ``node``, which host copies hang from: it ranks like a stable
-        prefix, so every leaf ranked below it is gone already (running requests hold the rest of the
-        pool). Rather than leave those copies with a gap, copy the node's KV in front of each and let
-        it hang from the node's parent. A copy keeps its gap when the host tier is full, the copy
-        fails, or the branch would go over its quota (host tokens count toward it)."""
+        """Eviction is about to take ``node``, which host copies hang from: stock eviction once every
+        leaf ranked below it is gone (it ranks like a stable prefix; running requests hold the rest of
+        the pool), or its own branch's discard, release or quota. Rather than leave those copies with a
+        gap, copy the node's KV in front of each and let it hang from the node's parent. A copy keeps
+        its gap when the host tier is full, the copy fails, or the branch would go over its quota (host
+        tokens count toward it)."""
         cache, core = self.cache, self.cache.tree_core
         entries = [(b, e) for b, e in self.host.entries.items() if e.anchor is node]
         depth = core.depth(node)
