@@ -543,22 +543,33 @@ def test_a_restore_that_cannot_make_room_evicts_nothing():
     h.assert_clean()
 
 
+def _offloaded_subagent(h: Harness, session: str, seed: int, lead_tokens: int, own_tokens: int):
+    """A lead's call, a subagent forked at its end (``own_tokens`` of its own), the subagent offloaded.
+    Returns the lead's history as the fork copied it, the fork's prompt and the tokens offloaded."""
+    lead = ids(seed, lead_tokens) + [5]
+    h.turn(session, lead[:-1], [5, 6])
+    fork_prompt = lead + ids(seed + 1, own_tokens)
+    h.turn(session, fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    moved = h.pause(session, branch="w", force=PauseAction.OFFLOAD)["tokens"]
+    return lead, fork_prompt, moved
+
+
+def _evict_everything(h: Harness) -> None:
+    with h.driver.activated():
+        h.cache.evict(EvictParams(num_tokens=h.driver.pool_tokens))
+
+
 def test_when_eviction_takes_the_prefix_a_copy_hangs_from_the_prefix_joins_the_copy():
     """Under pressure stock eviction reaches the anchor too (it ranks like a stable prefix, so only
     after every lower-ranked leaf). Instead of leaving the copy with a gap, each node it takes is copied
     in front of the copy, which then hangs from the node's parent: evict *everything*, and a paused
     subagent still comes back whole, its lead's history included, with the lead's class and owner."""
     h = Harness(pool_tokens=2048)  # a fork's quota is a quarter of the pool: 512 tokens, room for all
-    lead = ids(80, 300) + [5]
-    h.turn("s", lead[:-1], [5, 6])
-    fork_prompt = lead + ids(81, 100)
-    h.turn("s", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    lead, fork_prompt, moved = _offloaded_subagent(h, "s", 80, 300, 100)
     worker = BranchKey(NS, "s", "w")
-    moved = h.pause("s", branch="w", force=PauseAction.OFFLOAD)["tokens"]
     pauses = h.cache.pauses
     assert pauses.anchors and pauses.host.tokens_of(worker) == moved
-    with h.driver.activated():
-        h.cache.evict(EvictParams(num_tokens=h.driver.pool_tokens))  # nothing evictable is left
+    _evict_everything(h)  # nothing evictable is left
     assert h.cache.evictable_size() == 0 and not pauses.anchors  # the copy now starts at token 0
     entry = pauses.host.entries[worker]
     assert entry.start == 0 and pauses.host.tokens_of(worker) == len(fork_prompt) + 1
@@ -578,15 +589,10 @@ def test_an_anchor_spill_over_the_branch_quota_is_refused():
     """Host tokens count toward a branch's quota: a spill that would take the branch over it leaves the
     copy as it was (it will gap, and recompute), and is counted."""
     h = Harness(pool_tokens=2048)
-    lead = ids(82, 400) + [5]
-    h.turn("q", lead[:-1], [5, 6])
-    fork_prompt = lead + ids(83, 150)
-    h.turn("q", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
+    _, _, moved = _offloaded_subagent(h, "q", 82, 400, 150)
     worker = BranchKey(NS, "q", "w")
-    moved = h.pause("q", branch="w", force=PauseAction.OFFLOAD)["tokens"]
     h.cache.quotas[worker] = moved + 10  # no room in the quota for the lead's history
-    with h.driver.activated():
-        h.cache.evict(EvictParams(num_tokens=h.driver.pool_tokens))
+    _evict_everything(h)
     pauses = h.cache.pauses
     assert pauses.host.tokens_of(worker) == moved and pauses.counters["anchor_spill_refused"]["quota"] >= 1
     assert pauses.counters["anchor_spilled_tokens"] == 0
@@ -605,8 +611,7 @@ def test_copies_hanging_from_one_node_share_its_spilled_kv():
         h.pause("t", branch=w, force=PauseAction.OFFLOAD)
     pauses = h.cache.pauses
     demoted = pauses.host.demotes.tokens
-    with h.driver.activated():
-        h.cache.evict(EvictParams(num_tokens=h.driver.pool_tokens))
+    _evict_everything(h)
     spilled = pauses.counters["anchor_spilled_tokens"]
     copied = pauses.counters["anchor_spill_copied_tokens"]
     assert spilled > 0 and pauses.host.demotes.tokens - demoted == copied == spilled // 2  # one transfer, two copies
@@ -622,11 +627,7 @@ def test_discarding_a_lead_spills_the_node_its_subagents_copy_hangs_from():
     """Not only stock eviction: when the lead's own pause frees its nodes (DISCARD), the node a
     paused subagent's copy hangs from goes into that copy first, so the subagent still resumes whole."""
     h = Harness(pool_tokens=2048)
-    lead = ids(90, 300) + [5]
-    h.turn("d", lead[:-1], [5, 6])
-    fork_prompt = lead + ids(91, 80)
-    h.turn("d", fork_prompt, [7, 8], branch="w", parent_branch="main", fork_point_tokens=len(lead))
-    h.pause("d", branch="w", force=PauseAction.OFFLOAD)
+    lead, fork_prompt, _ = _offloaded_subagent(h, "d", 90, 300, 80)
     assert h.pause("d", force=PauseAction.DISCARD)["tokens"] > 0  # the lead's history leaves the device
     pauses = h.cache.pauses
     assert pauses.counters["anchor_spilled_tokens"] > 0 and pauses.counters["anchor_spills"] >= 1

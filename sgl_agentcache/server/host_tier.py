@@ -144,8 +144,7 @@ class HostTier:
             raise ValueError(f"demote: {len(device_indices)} indices for {n} tokens")
         if branch in self.entries:
             self.delete(branch)
-        if n > self.free_tokens():
-            self.refused_full += 1
+        if not self.has_room(n):
             return None
         began = time.perf_counter()
         try:
@@ -176,15 +175,22 @@ class HostTier:
         self.demotes.add(len(device_indices), _nbytes(kv), time.perf_counter() - began)
         return kv
 
-    def prepend(self, entry: HostEntry, state: NodeState, kv, n: int) -> bool:
-        """Make ``kv`` (a :meth:`copy_out` of the ``n`` tokens just in front of ``entry``, ``[start - n,
-        start)``) the entry's new first segment. False when the tier is full. Entries may share one
-        copy; each counts it against the capacity (conservative: host memory holds it once)."""
-        if n <= 0 or n > entry.start:
-            raise ValueError(f"prepend: {n} tokens in front of offset {entry.start}")
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more tokens fit; a refusal is counted (``refused_full``)."""
         if n > self.free_tokens():
             self.refused_full += 1
             return False
+        return True
+
+    def prepend(self, entry: HostEntry, state: NodeState, kv, n: int) -> None:
+        """Make ``kv`` (a :meth:`copy_out` of the ``n`` tokens just in front of ``entry``, ``[start - n,
+        start)``) the entry's new first segment; the caller checked :meth:`has_room` before copying.
+        Entries may share one copy; each counts it against the capacity (conservative: host memory
+        holds it once)."""
+        if n <= 0 or n > entry.start:
+            raise ValueError(f"prepend: {n} tokens in front of offset {entry.start}")
+        if n > self.free_tokens():
+            raise ValueError(f"prepend: {n} tokens do not fit in {self.free_tokens()} free host tokens")
         nbytes = _nbytes(kv)
         entry.start -= n
         entry.segments.insert(0, (entry.start, state.copy()))

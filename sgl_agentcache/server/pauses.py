@@ -391,8 +391,7 @@ class PauseBook:
                 if core.owned_tokens(branch) + entry.num_tokens + n > quota:
                     self.counters["anchor_spill_refused"]["quota"] += 1
                     continue
-                if n > self.host.free_tokens():
-                    self.host.refused_full += 1
+                if not self.host.has_room(n):  # checked before copying: a refused spill copies nothing
                     self.counters["anchor_spill_refused"]["host_full"] += 1
                     continue
                 try:
@@ -404,10 +403,7 @@ class PauseBook:
                                 branch.session, branch.branch, exc)
                     self.counters["anchor_spill_refused"]["transfer_failed"] += 1
                     continue
-                stored = self.host.prepend(entry, node.agent, copies[n], n)
-                if not stored:
-                    self.counters["anchor_spill_refused"]["host_full"] += 1
-                    continue
+                self.host.prepend(entry, node.agent, copies[n], n)
                 self.counters["anchor_spilled_tokens"] += n
             self._unhang(entry)
             self._hang(entry, self._in_front_of(node, depth, entry.start))
