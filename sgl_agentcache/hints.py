@@ -172,8 +172,12 @@ def parse_header(value: str) -> LifecycleHint:
 
 def _field(obj: Any, name: str) -> Any:
     """Read ``name`` from a dict-shaped or attribute-shaped object (None when absent)."""
-    if type(obj) is dict:  # the common case, without the ABC isinstance check (it runs per request)
+    # The two common cases first, without the ABC isinstance check (it runs per request): a dict, or
+    # SGLang's KvHintsEnvelope / KvHintAction (msgspec structs).
+    if type(obj) is dict:
         return obj.get(name)
+    if isinstance(obj, msgspec.Struct):
+        return getattr(obj, name, None)
     if isinstance(obj, Mapping):
         return obj.get(name)
     return getattr(obj, name, None)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
+from typing import NamedTuple
 
 
 class NodeClass(IntEnum):
@@ -36,9 +38,12 @@ class NodeClass(IntEnum):
 RETENTION_VALUE = {NodeClass.UNTAGGED: 1, NodeClass.SCRATCH: 1, NodeClass.SESSION: 2, NodeClass.STABLE: 3}
 
 
-@dataclass(frozen=True, slots=True)
-class BranchKey:
-    """Identity of a branch: cache namespace, session (trajectory) and branch id."""
+class BranchKey(NamedTuple):
+    """Identity of a branch: cache namespace, session (trajectory) and branch id.
+
+    A named tuple rather than a frozen dataclass: branches key every per-branch index, several
+    lookups per insert, and a tuple hashes and compares in C (a quarter of a dataclass's lookup time).
+    """
 
     namespace: str
     session: str
@@ -48,16 +53,21 @@ class BranchKey:
         return {"namespace": self.namespace, "session": self.session, "branch": self.branch}
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class NodeState:
-    """Per-node agent state. ``owner`` is the branch charged for the node's tokens (None: shared)."""
+    """Per-node agent state. ``owner`` is the branch charged for the node's tokens (None: shared).
+
+    Immutable, so one state is shared by every node an insert creates (no copy per node); a node's
+    state is replaced, never edited.
+    """
 
     cls: NodeClass = NodeClass.UNTAGGED
     owner: BranchKey | None = None
     terminated: bool = False
 
-    def copy(self) -> "NodeState":
-        return NodeState(self.cls, self.owner, self.terminated)
+    def ended(self) -> "NodeState":
+        """The same state with its branch ended."""
+        return self if self.terminated else NodeState(self.cls, self.owner, True)
 
 
 def untagged() -> NodeState:
@@ -65,7 +75,7 @@ def untagged() -> NodeState:
     return NodeState()
 
 
-#: The one state every node is born with (shared: node states are replaced, never edited in place).
+#: The one state every node is born with.
 UNTAGGED_STATE = NodeState()
 
 
@@ -105,18 +115,20 @@ class InsertPlan:
     fork_point: int = 0
     parent: NodeState | None = None
 
+    @cached_property  # asked on every insert of the request
     def boundaries(self) -> tuple[int, ...]:
         """Offsets where a created node must be split so every node has exactly one class."""
         return tuple(sorted({b for b in (self.stable_end, self.fork_point) if b > 0}))
 
     def state_at(self, offset: int) -> NodeState:
         if offset < self.stable_end:
-            return NodeState(NodeClass.STABLE)
+            return STABLE_STATE
         if offset < self.fork_point and self.parent is not None:
-            return self.parent.copy()
-        return self.own.copy()
+            return self.parent
+        return self.own
 
 
+STABLE_STATE = NodeState(NodeClass.STABLE)
 UNTAGGED_PLAN = InsertPlan(own=untagged())
 
 
@@ -128,18 +140,43 @@ class RecentBranches:
     memory flat.
     """
 
-    def __init__(self, limit: int = 65536):
+    def __init__(self, limit: int = 65536, by_session: bool = False):
         self.limit = limit
         self._branches: OrderedDict[BranchKey, None] = OrderedDict()
+        self.version = 0  # changes with every add and discard: "has the set changed since?" in O(1)
+        # session id -> its branches here (when asked for): a session close must not scan every branch.
+        self._sessions: dict[str, dict[BranchKey, None]] | None = {} if by_session else None
 
     def add(self, branch: BranchKey) -> None:
-        self._branches[branch] = None
-        self._branches.move_to_end(branch)
-        while len(self._branches) > self.limit:
-            self._branches.popitem(last=False)
+        self.version += 1
+        branches = self._branches
+        if branch in branches:
+            branches.move_to_end(branch)
+            return
+        branches[branch] = None
+        if self._sessions is not None:
+            self._sessions.setdefault(branch.session, {})[branch] = None
+        while len(branches) > self.limit:
+            self._unindex(branches.popitem(last=False)[0])
 
     def discard(self, branch: BranchKey) -> None:
-        self._branches.pop(branch, None)
+        self.version += 1
+        if branch in self._branches:
+            del self._branches[branch]
+            self._unindex(branch)
+
+    def _unindex(self, branch: BranchKey) -> None:
+        if self._sessions is not None:
+            same = self._sessions[branch.session]
+            del same[branch]
+            if not same:
+                del self._sessions[branch.session]
+
+    def of_session(self, session: str) -> list[BranchKey]:
+        """The branches here of ``session``, in any namespace (needs ``by_session``)."""
+        if self._sessions is None:
+            raise TypeError("this RecentBranches was built without by_session")
+        return list(self._sessions.get(session, ()))
 
     def __contains__(self, branch: object) -> bool:
         return branch in self._branches

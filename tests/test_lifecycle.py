@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,7 +45,7 @@ def test_untagged_traffic_keeps_stock_lru_order(times):
 
 def test_plan_for_root_branch():
     plan = insert_plan(LifecycleHint(session="s", stable_prefix_tokens=100), "ns", closed=set())
-    assert plan.boundaries() == (100,)
+    assert plan.boundaries == (100,)
     assert plan.state_at(99).cls is NodeClass.STABLE and plan.state_at(99).owner is None
     assert plan.state_at(100) == NodeState(NodeClass.SESSION, BranchKey("ns", "s", "main"))
 
@@ -53,7 +54,7 @@ def test_plan_for_fork_charges_only_past_the_fork_point():
     hint = LifecycleHint(session="s", branch="b1", parent_branch="main", stable_prefix_tokens=10,
                          fork_point_tokens=40)
     plan = insert_plan(hint, "ns", closed=set())
-    assert plan.boundaries() == (10, 40)
+    assert plan.boundaries == (10, 40)
     assert plan.state_at(5).cls is NodeClass.STABLE
     assert plan.state_at(10) == NodeState(NodeClass.SESSION, BranchKey("ns", "s", "main"))
     assert plan.state_at(40) == NodeState(NodeClass.SCRATCH, BranchKey("ns", "s", "b1"))
@@ -67,7 +68,7 @@ def test_plan_of_closed_branch_is_born_terminated():
 
 def test_no_hint_is_untagged():
     assert insert_plan(None, "ns", set()) is UNTAGGED_PLAN
-    assert UNTAGGED_PLAN.boundaries() == () and UNTAGGED_PLAN.state_at(0) == untagged()
+    assert UNTAGGED_PLAN.boundaries == () and UNTAGGED_PLAN.state_at(0) == untagged()
 
 
 def test_recent_branches_is_bounded_and_ordered():
@@ -78,3 +79,24 @@ def test_recent_branches_is_bounded_and_ordered():
     recent.add(keys[2])  # refresh: b2 becomes newest
     assert len(recent) == 3 and keys[0] not in recent and keys[1] not in recent
     assert list(recent) == [keys[3], keys[4], keys[2]]
+
+
+def test_recent_branches_session_index_follows_the_set():
+    """A session close looks its branches up by session; the index must forget what the set forgets
+    (bound, discard) and track re-adds, across namespaces."""
+    recent = RecentBranches(limit=3, by_session=True)
+    a, b, c = BranchKey("t1|", "s", "main"), BranchKey("t2|", "s", "w0"), BranchKey("t1|", "other", "main")
+    for key in (a, b, c):
+        recent.add(key)
+    assert set(recent.of_session("s")) == {a, b} and recent.of_session("other") == [c]
+    version = recent.version
+    recent.discard(b)
+    recent.discard(b)  # absent: nothing else changes
+    assert recent.of_session("s") == [a] and recent.version > version
+    recent.add(a)  # refresh, not a second index entry
+    for i in range(3):  # push everything else out through the bound
+        recent.add(BranchKey("t1|", "new", f"b{i}"))
+    assert recent.of_session("s") == [] and recent.of_session("other") == []
+    assert len(recent.of_session("new")) == 3 and len(recent) == 3
+    with pytest.raises(TypeError):
+        RecentBranches().of_session("s")

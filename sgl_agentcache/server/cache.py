@@ -29,12 +29,14 @@ import logging
 import os
 from collections import OrderedDict
 
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
+from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
@@ -86,7 +88,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.branch_quota_tokens = int(os.environ.get(BRANCH_QUOTA_ENV, 0)) or max(pool // 4, 1)
         self.session_quota_tokens = int(os.environ.get(SESSION_QUOTA_ENV, 0)) or max(pool // 2, 1)
         self.closed = RecentBranches()
-        self.seen = RecentBranches()
+        self.seen = RecentBranches(by_session=True)
         self.scheduler = None  # set on the first request; read only by queue metrics
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
@@ -137,22 +139,27 @@ class AgentRadixCache(UnifiedRadixCache):
     # ---- inserts ----
 
     def _plan(self, req) -> InsertPlan:
-        plan = getattr(req, "agentcache_plan", None)
-        if plan is None:
+        """The request's insert plan: built at its first call, rebuilt only when a branch it names has
+        closed since (its tokens are then born terminated, never revived)."""
+        plan, closed = getattr(req, "agentcache_plan", None), self.closed
+        if plan is not None:
+            if req.agentcache_closed_version == closed.version:  # no branch closed since: every insert
+                return plan
+            req.agentcache_closed_version = closed.version
+            if not ((plan.own.owner in closed and not plan.own.terminated)
+                    or (plan.parent is not None and plan.parent.owner in closed and not plan.parent.terminated)):
+                return plan
+            plan = insert_plan(req.agentcache_hint, namespace_of(req), closed)
+        else:
             try:
                 hint = find_lifecycle_hint(req.kv_hints)
             except HintError as exc:  # the HTTP layer rejects these; never fail a request here
                 self.invalid_hints += 1
                 logger.warning("agentcache: ignoring invalid lifecycle hint on %s: %s", req.rid, exc)
                 hint = None
-            plan = insert_plan(hint, namespace_of(req), self.closed)
-            req.agentcache_plan = plan
+            plan = insert_plan(hint, namespace_of(req), closed)
             req.agentcache_hint = hint
-        elif any(state is not None and state.owner in self.closed and not state.terminated
-                 for state in (plan.own, plan.parent)):
-            # A branch (or the parent a fork charges) closed since the plan was made: its tokens are
-            # born terminated from now on, never revived.
-            plan = req.agentcache_plan = insert_plan(req.agentcache_hint, namespace_of(req), self.closed)
+        req.agentcache_plan, req.agentcache_closed_version = plan, closed.version
         if plan.own.owner is not None:
             self.quotas[plan.own.owner] = self.quota_for(plan)
             self.quotas.move_to_end(plan.own.owner)
@@ -162,8 +169,6 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def admit(self, req) -> str | None:
         """Build the request's plan at admission; return why it must be refused, or None."""
-        from sgl_agentcache.server.admission import parent_refusal
-
         plan = self._plan(req)
         # Only a *new* fork needs a live parent: a subagent that already runs keeps working after its
         # lead closed (what it inherited from the parent is born terminated, see _plan).
@@ -205,12 +210,13 @@ class AgentRadixCache(UnifiedRadixCache):
             self.context_edit_freed_tokens += self._drop_edited_history(req, plan.own.owner, hint.edit_from_tokens)
         up_to = self._clip_to_quota(req, plan, up_to)
         core = self.tree_core
+        locked = req.kv.cache_protected_len  # in the tree and locked: the insert creates nodes past it only
         core.insert_state = plan.own
         try:
             super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
         finally:
             core.insert_state = None
-        self._settle(req, plan)
+        self._settle(req, plan, locked)
 
     def _clip_to_quota(self, req, plan: InsertPlan, up_to: int) -> int:
         """Make room within the branch quota (own oldest nodes first); clip what still does not fit."""
@@ -221,12 +227,13 @@ class AgentRadixCache(UnifiedRadixCache):
         new_tokens = max(up_to - req.kv.cache_protected_len, 0)
         # Tokens the branch holds on the host tier count against its quota too.
         over = self.tree_core.owned_tokens(owner) + self.pauses.host.tokens_of(owner) + new_tokens - quota
-        if over > 0:
-            # The branch's own oldest nodes go first -- but never one this insert would walk through
-            # (it would re-create the same tokens at once: an eviction that frees nothing).
-            on_path = self._path_nodes(req, up_to)
-            candidates = [n for n in self.tree_core.owner_index.get(owner, ()) if n not in on_path]
-            self.quota_evicted_tokens += self._evict_nodes(candidates, over)
+        if over <= 0:
+            return up_to
+        # The branch's own oldest nodes go first -- but never one this insert would walk through (it
+        # would re-create the same tokens at once: an eviction that frees nothing).
+        on_path = self._path_nodes(req, up_to)
+        candidates = [n for n in self.tree_core.owner_index.get(owner, ()) if n not in on_path]
+        self.quota_evicted_tokens += self._evict_nodes(candidates, over)
         room = quota - self.tree_core.owned_tokens(owner)
         allowed = req.kv.cache_protected_len + max(room, 0)
         if allowed < up_to:
@@ -260,7 +267,7 @@ class AgentRadixCache(UnifiedRadixCache):
         if owner is not None and owner != plan.own.owner:
             quota = self.quotas.get(owner, self.branch_quota_tokens)
             if self.tree_core.owned_tokens(owner) + len(node.key) > quota:
-                state = plan.own.copy()
+                state = plan.own
         self.tree_core.set_state(node, state)
 
     def _drop_edited_history(self, req, owner: BranchKey, edit_from: int) -> int:
@@ -288,31 +295,32 @@ class AgentRadixCache(UnifiedRadixCache):
                 front, action = core._split_node(node.key, node, cut - start)
                 if action is not None:
                     self._apply_cache_actions([action])
-            state = node.agent.copy()
-            state.terminated = True
-            core.set_state(node, state)
+            core.set_state(node, node.agent.ended())
         return self._evict_nodes(core.terminated, budget=None)
 
     def quota_for(self, plan: InsertPlan) -> int:
         """Forked branches get the branch quota; a session's root branch the (larger) session quota."""
         return self.branch_quota_tokens if plan.parent is not None else self.session_quota_tokens
 
-    def _settle(self, req, plan: InsertPlan) -> None:
-        """Split the nodes this insert created at the plan's boundaries and stamp each part."""
+    def _settle(self, req, plan: InsertPlan, locked: int) -> None:
+        """Split the nodes this insert created at the plan's boundaries and stamp each part
+        (``locked``: the request's tokens the tree held, locked, before the insert)."""
         core = self.tree_core
         fresh = core.take_fresh()
         if not fresh or req.last_node is None:
             return
-        boundaries = plan.boundaries()
+        boundaries = plan.boundaries
         if not boundaries:  # one class and owner throughout: every created node got it at birth
             return
         # The common insert extends a branch past its fork point and stable prefix: every created node
         # (the tail of the path) already has the plan's own state, stamped at birth, which is what
         # _stamp would give it; skip the walk. The boundary rounds up to its page's end.
+        last = boundaries[-1] + (-boundaries[-1] % self.page_size)
+        if locked >= last:
+            return
         node = core.node_by_id(req.last_node)
         while node.parent in fresh:
             node = node.parent
-        last = boundaries[-1] + (-boundaries[-1] % self.page_size)
         if node in fresh and core.depth(node) >= last:
             return
         self.classify_created(req.last_node, fresh, boundaries, lambda node, start: self._stamp(node, plan, start))
@@ -356,17 +364,20 @@ class AgentRadixCache(UnifiedRadixCache):
         core = self.tree_core
         for node in list(core.owner_index.get(branch, ())):
             if not node.agent.terminated:
-                state = node.agent.copy()
-                state.terminated = True
-                core.set_state(node, state)
+                core.set_state(node, node.agent.ended())
         freed = self.reclaim_terminated()
         return {"closed": True, "already_closed": already, "freed_tokens": freed, "host_freed_tokens": host_freed,
                 "pending_tokens": core.owned_tokens(branch)}
 
     def close_session(self, namespace: str | None, session: str) -> dict:
-        branches = [b for b in set(self.tree_core.owner_index) | set(self.seen)
-                    if b.session == session and (namespace is None or b.namespace == namespace)]
-        results = [self.close_branch(b) for b in sorted(branches, key=lambda b: (b.namespace, b.branch))]
+        """Close every branch of ``session`` in ``namespace`` (in every namespace when None)."""
+        # The branches seen (indexed by session: there may be tens of thousands), and any that still
+        # owns nodes but is no longer remembered (the seen set is bounded; the tree's owners are few).
+        found = set(self.seen.of_session(session))
+        found.update(b for b in self.tree_core.owner_index if b.session == session)
+        branches = sorted((b for b in found if namespace is None or b.namespace == namespace),
+                          key=lambda b: (b.namespace, b.branch))
+        results = [self.close_branch(b) for b in branches]
         return {"branches": len(branches), "freed_tokens": sum(r.get("freed_tokens", 0) for r in results)}
 
     def purge_salt(self, salt: str) -> dict:
@@ -405,6 +416,7 @@ class AgentRadixCache(UnifiedRadixCache):
         # (PauseBook.drop_host reclaims it then): freeing it would turn the restore into a recompute.
         anchors = self.pauses.anchors
         freed = self._evict_nodes(core.terminated.difference(anchors) if anchors else core.terminated, budget=None)
+        core.reclaimed()  # after, not before: the parents this reclaim exposed were candidates too
         self.freed_on_close_tokens += freed
         return freed
 
@@ -462,8 +474,6 @@ class AgentRadixCache(UnifiedRadixCache):
             return
         hint: LifecycleHint | None = req.agentcache_hint
         if plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
-            from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
             # An aborted subagent (fork) is cancelled for good; an aborted turn of a root branch (a
             # client timeout on the lead agent) must not drop the whole session's history.
             aborted_fork = plan.parent is not None and isinstance(req.finished_reason, FINISH_ABORT)
@@ -491,7 +501,7 @@ class AgentRadixCache(UnifiedRadixCache):
         # Runs every scheduler step: the stock method is called directly (cheaper than super()) and
         # an idle step costs two attribute tests.
         _STOCK_FLUSH(self)
-        if self.tree_core.terminated:
+        if self.tree_core.reclaim_due:
             self.reclaim_terminated()
         if self.metrics is not None:
             self.metrics.maybe_publish(self)

@@ -75,7 +75,7 @@ class HostEntry:
             if seg_start > offset:
                 break
             state = seg_state
-        return state.copy()
+        return state
 
 
 def _nbytes(obj: Any) -> int:
@@ -193,7 +193,7 @@ class HostTier:
             raise ValueError(f"prepend: {n} tokens do not fit in {self.free_tokens()} free host tokens")
         nbytes = _nbytes(kv)
         entry.start -= n
-        entry.segments.insert(0, (entry.start, state.copy()))
+        entry.segments.insert(0, (entry.start, state))
         entry.kv.insert(0, kv)
         entry.nbytes += nbytes
         self.used_tokens += n

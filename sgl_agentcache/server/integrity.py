@@ -8,8 +8,9 @@ refs) with an independent recount of our own, so a bug in either shows:
 - evictable + protected device tokens equal the sum of the nodes' device values, split by lock state;
 - no KV slot is referenced by two nodes;
 - every node carries agent state; the owner and terminated indexes list exactly the nodes that say so;
-- idle only: no terminated node is left as an unlocked device leaf (reclaim never lags a step), except
-  one a live host copy hangs from (reclaimed when that copy is restored or dropped);
+- a terminated unlocked device leaf (not an anchor) is always marked due for reclaim (the per-step
+  reclaim skips when none is); idle only: none is left at all (reclaim never lags a step), except one
+  a live host copy hangs from (reclaimed when that copy is restored or dropped);
 - idle only: allocator free slots + tree-held slots == pool capacity (nothing leaked outside the tree).
 """
 
@@ -125,8 +126,10 @@ def _check_ownership(core, nodes, *, idle: bool, anchors=frozenset()) -> list[st
     stale = core.terminated - tree_nodes
     if stale:
         errors.append(f"{len(stale)} terminated-index entries are not in the tree")
+    lagging = [n.id for n in core.terminated if core.is_device_leaf(n) and n not in anchors]
+    if lagging and not getattr(core, "reclaim_due", True):
+        errors.append(f"terminated unlocked leaves {lagging[:8]} are not marked due for reclaim")
     if idle:
-        lagging = [n.id for n in core.terminated if core.is_device_leaf(n) and n not in anchors]
         if lagging:
             errors.append(f"terminated nodes still resident as unlocked leaves: {lagging[:8]}")
         if core.fresh:

@@ -352,6 +352,7 @@ class PauseBook:
         if entry is not None and entry.anchor is not None:
             anchor = entry.anchor
             if not self._unhang(entry) and anchor.agent.terminated:
+                self.cache.tree_core.mark_reclaim_due()
                 self.cache.reclaim_terminated()
         return freed
 
@@ -461,7 +462,7 @@ class PauseBook:
             if i == first:
                 start = offset
             if i >= first:
-                segments.append((offset, node.agent.copy()))
+                segments.append((offset, node.agent))
             tokens.extend(_key_tokens(node.key))
             offset += len(node.key)
         indices = torch.cat([n.component_data[FULL].value for n in copied])

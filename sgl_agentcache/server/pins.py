@@ -39,6 +39,8 @@ PINS: tuple[Pin, ...] = (
         "new leaves are charged to their branch here"),
     Pin(f"{_TREE}._split_node", ("self", "key", "child", "split_len"), "splits carry agent state to the new parent"),
     Pin(f"{_TREE}._unregister_node", ("self", "node"), "deleted nodes are refunded to their branch here"),
+    Pin(f"{_TREE}._update_evictable_leaf_sets", ("self", "node"),
+        "every node that becomes an evictable device leaf passes here (a terminated one is due for reclaim)"),
     Pin(f"{_TREE}._collect_all_nodes", ("self",), "integrity check walks the tree"),
     Pin(f"{_TREE}.sanity_check", ("self", "ongoing_write_through", "ongoing_load_back"), "integrity check"),
     Pin(f"{_CACHE}.__init__", ("self", "params"), "AgentRadixCache subclasses it"),

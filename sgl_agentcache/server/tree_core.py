@@ -7,7 +7,10 @@ subclass of ``UnifiedTreeCore``. It overrides only node birth, split, death and 
 - ``owner_index``: branch -> the nodes it owns. A branch's charge is ``sum(len(node.key))`` over them,
   derived on demand, so it can never drift from the tree (a split moves tokens between two nodes of
   the same owner; a deleted node leaves the index in ``_unregister_node``).
-- ``terminated``: nodes whose owner ended and that are waiting to be reclaimed.
+- ``terminated``: nodes whose owner ended and that are waiting to be reclaimed; ``reclaim_due`` says
+  that one of them may have become an evictable device leaf since the last reclaim (every addition to
+  SGLang's ``evictable_device_leaves`` goes through ``_update_evictable_leaf_sets``, which sets it), so
+  the per-step reclaim costs one attribute test when nothing changed.
 
 During an insert the cache sets ``insert_state``; every node the insert creates is stamped with it and
 recorded in ``fresh`` (split fragments of a fresh node are fresh too), so the cache can classify
@@ -29,6 +32,7 @@ from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
 
 
 RECORD_ENV = "AGENTCACHE_RECORD_EVICTIONS"
+_STOCK_UPDATE_LEAF_SETS = UnifiedTreeCore._update_evictable_leaf_sets  # called per node change (pinned)
 
 
 class AgentTreeCore(UnifiedTreeCore):
@@ -49,6 +53,7 @@ class AgentTreeCore(UnifiedTreeCore):
         self.owner_index: dict[BranchKey, set[UnifiedTreeNode]] = {}
         self.owned_count: dict[BranchKey, int] = {}  # tokens per owner, kept with owner_index (O(1) quota checks)
         self.terminated: set[UnifiedTreeNode] = set()
+        self.reclaim_due = False
         self.fresh = set()
         super().reset()
 
@@ -63,7 +68,7 @@ class AgentTreeCore(UnifiedTreeCore):
         )
         if self.insert_state is not None:
             self.fresh.add(node)
-            self.set_state(node, self.insert_state.copy())
+            self._adopt(node, self.insert_state)  # born UNTAGGED: nothing to forget first
         return node
 
     def _split_node(self, key, child, split_len):
@@ -71,10 +76,15 @@ class AgentTreeCore(UnifiedTreeCore):
         owner = child.agent.owner
         if owner is not None:  # the child lost the front of its key to new_node, which set_state re-adds
             self.owned_count[owner] -= len(new_node.key)
-        self.set_state(new_node, child.agent.copy())
+        self.set_state(new_node, child.agent)
         if child in self.fresh:
             self.fresh.add(new_node)
         return new_node, action
+
+    def _update_evictable_leaf_sets(self, node: UnifiedTreeNode) -> None:
+        _STOCK_UPDATE_LEAF_SETS(self, node)  # direct call: this runs several times per insert and match
+        if self.terminated and node in self.terminated and node in self.evictable_device_leaves:
+            self.reclaim_due = True
 
     def _unregister_node(self, node: UnifiedTreeNode) -> None:
         if self.deletions is not None and node.key is not None:
@@ -89,12 +99,22 @@ class AgentTreeCore(UnifiedTreeCore):
     def set_state(self, node: UnifiedTreeNode, state: NodeState) -> None:
         """Give ``node`` a new state, keeping the owner and terminated indexes exact."""
         self._forget(node)
+        self._adopt(node, state)
+
+    def _adopt(self, node: UnifiedTreeNode, state: NodeState) -> None:
+        """Index ``node`` under ``state``; the node must be in no index (just born, or forgotten)."""
         node.agent = state
-        if state.owner is not None:
-            self.owner_index.setdefault(state.owner, set()).add(node)
-            self.owned_count[state.owner] = self.owned_count.get(state.owner, 0) + len(node.key)
+        owner = state.owner
+        if owner is not None:
+            nodes = self.owner_index.get(owner)
+            if nodes is None:
+                nodes = self.owner_index[owner] = set()
+            nodes.add(node)
+            self.owned_count[owner] = self.owned_count.get(owner, 0) + len(node.key)
         if state.terminated:
             self.terminated.add(node)
+            if node in self.evictable_device_leaves:
+                self.reclaim_due = True
 
     def _forget(self, node: UnifiedTreeNode) -> None:
         state = getattr(node, "agent", None)
@@ -138,8 +158,19 @@ class AgentTreeCore(UnifiedTreeCore):
         return self._collect_all_nodes()
 
     def reclaimable(self) -> bool:
-        """Some terminated node is an evictable device leaf right now (the cheap test before a reclaim)."""
-        return bool(self.terminated) and not self.terminated.isdisjoint(self.evictable_device_leaves)
+        """Some terminated node may be an evictable device leaf now (false: certainly none is). The
+        cheap test before a reclaim; the reclaim clears it (:meth:`reclaimed`)."""
+        return self.reclaim_due
+
+    def reclaimed(self) -> None:
+        """Every terminated evictable device leaf that may go was just freed; a terminated leaf kept
+        back (a host copy's anchor) sets ``reclaim_due`` again through :meth:`mark_reclaim_due`
+        when what held it lets go."""
+        self.reclaim_due = False
+
+    def mark_reclaim_due(self) -> None:
+        """Something that kept a terminated leaf from being reclaimed let go of it."""
+        self.reclaim_due = bool(self.terminated)
 
     def is_device_leaf(self, node: UnifiedTreeNode) -> bool:
         """Unlocked, device-resident, no device-resident children: evictable right now."""
