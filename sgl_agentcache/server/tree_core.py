@@ -150,7 +150,10 @@ class AgentTreeCore(UnifiedTreeCore):
         return depth
 
     def take_fresh(self) -> set[UnifiedTreeNode]:
-        fresh, self.fresh = self.fresh, set()
+        """The nodes created since the last call (the caller must not keep the empty set it may get)."""
+        fresh = self.fresh
+        if fresh:
+            self.fresh = set()
         return fresh
 
     def all_nodes(self) -> list[UnifiedTreeNode]:
