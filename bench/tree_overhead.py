@@ -41,8 +41,11 @@ Like with like. Stream-driven kinds (:data:`STREAM_KINDS`) must have equal count
 and evicts different KV, so its ``evict`` / ``query`` counts and its hits differ; its fair comparison
 is the total time for the same stream, which is what its ratio reports. Keeping more also means a
 bigger tree: ``tree_work`` (one untimed playback per variant) reports the nodes in the tree when a
-request arrives and the nodes SGLang's own insert walked, so the hinted ratio can be read as SGLang's
-code doing more work plus our bookkeeping.
+request arrives, on the path it matched, and the nodes SGLang's own insert walked, so the hinted ratio
+can be read as SGLang's code doing more work plus our bookkeeping. ``tree_work_roomy`` plays stock and
+hinted once more in a pool neither has to evict from: the tree each builds when it keeps everything
+(stock's eviction and re-insert merge a path into fewer, longer nodes; kept paths stay in the
+per-call nodes they were inserted as).
 
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/tree_overhead.py [--quick] [--reps N] [--out PATH]``.
 Writes ``bench/results/tree_overhead.json`` by default. Timing is never asserted by tests.
@@ -507,21 +510,39 @@ def _counting_insert_steps(counts: Counter):
         UnifiedTreeCore._insert_walk_step = step
 
 
-def tree_work(stream: Stream, variant: str) -> dict:
+def tree_work(stream: Stream, variant: str, pool_tokens: int | None = None) -> dict:
     """How much tree a variant's cache kept and walked on this stream (one untimed playback, Python
-    tree cores only): nodes in the tree when a request arrives (mean) and nodes SGLang's insert walked.
-    A cache that keeps more (the hinted one: that is its point) gives SGLang's own insert and match
-    longer paths to walk, so its time is not all bookkeeping; these figures say how much longer."""
+    tree cores only): nodes in the tree when a request arrives (mean), nodes on the path the request
+    matched (mean), nodes SGLang's insert walked, and evictions. A cache that keeps more (the hinted
+    one: that is its point) gives SGLang's own insert and match longer paths to walk, so its time is
+    not all bookkeeping; these figures say how much longer. ``pool_tokens`` plays it in another pool
+    (a roomy one shows the tree both caches build when neither has to evict)."""
     counts: Counter = Counter()
-    player, sizes = Player(stream, variant), []
+    saved, stream.pool_tokens = stream.pool_tokens, pool_tokens or stream.pool_tokens
+    try:
+        player, sizes, matched = Player(stream, variant), [], []
+    finally:
+        stream.pool_tokens = saved
     core = player.cache.tree_core
     with _counting_insert_steps(counts):
         for op in stream.ops:
             if op[0] == "admit":
                 sizes.append(len(core._collect_all_nodes()) - 1)  # the root is not a node of the cache
             player.step(op)
+            if op[0] == "admit":
+                req = player.live[op[1]]
+                node, depth = (core.node_by_id(req.last_node) if req.last_node is not None else core.root_node), 0
+                while node is not core.root_node:
+                    node, depth = node.parent, depth + 1
+                matched.append(depth)
     return {"mean_nodes_at_admit": round(statistics.fmean(sizes), 1) if sizes else 0.0,
-            "insert_walk_steps": counts[id(core)], "cached_tokens": player.cached_tokens}
+            "mean_matched_path_nodes": round(statistics.fmean(matched), 2) if matched else 0.0,
+            "insert_walk_steps": counts[id(core)], "cached_tokens": player.cached_tokens,
+            "evictions": player.timer.calls["evict"], "pool_tokens": pool_tokens or stream.pool_tokens}
+
+
+#: The roomy pool of ``tree_work_roomy``: this many times the playback pool (neither cache evicts).
+ROOMY_POOL_FACTOR = 16
 
 
 def run_workload(stream: Stream, reps: int, variants: list[str], shim_ns: float, log=print,
@@ -551,7 +572,9 @@ def run_workload(stream: Stream, reps: int, variants: list[str], shim_ns: float,
             "pool_tokens": stream.pool_tokens, "stream_ops": stream.counts(),
             "prompt_tokens": sum(len(op[2]) for op in stream.ops if op[0] == "admit"),
             "variants": _summarise(runs_by_rep, shim_ns),
-            "tree_work": {v: tree_work(stream, v) for v in variants if v != "rust"}}
+            "tree_work": {v: tree_work(stream, v) for v in variants if v != "rust"},
+            "tree_work_roomy": {v: tree_work(stream, v, stream.pool_tokens * ROOMY_POOL_FACTOR)
+                                for v in ("stock", "ours_hinted")}}
 
 
 def machine_info() -> dict:
@@ -655,10 +678,12 @@ def format_table(result: dict) -> str:
         raw = [f"{wl['variants'][v]['total_ms_median_of_reps']:.1f} ms" + (
             f" ({wl['variants'][v]['total_ratio_median_of_reps']:.3f}x)" if v != "stock" else "") for v in variants]
         lines.append(f"{'raw med':<8}" + "".join(f"{t:>26}" for t in raw))
-        work = wl["tree_work"]
-        lines.append("tree work (untimed): " + "; ".join(
-            f"{v} {w['mean_nodes_at_admit']} nodes at admit, {w['insert_walk_steps']} insert steps"
-            for v, w in work.items()))
+        for label, work in (("tree work (untimed)", wl["tree_work"]),
+                            ("in a roomy pool", wl["tree_work_roomy"])):
+            lines.append(f"{label}: " + "; ".join(
+                f"{v} {w['mean_nodes_at_admit']} nodes at admit, {w['mean_matched_path_nodes']} on the matched "
+                f"path, {w['insert_walk_steps']} insert steps, {w['evictions']} evictions"
+                for v, w in work.items()))
     t = result["target"]
     lines.append(f"\ntarget <= {t['max_ratio']}x: untagged {t['ours_untagged_ratios']} "
                  f"{'PASS' if t['ours_untagged_pass'] else 'FAIL'}; hinted {t['ours_hinted_ratios']} "

@@ -42,6 +42,10 @@ def test_quick_benchmark_compares_like_with_like_and_writes_every_section(tmp_pa
     for wl in result["workloads"]:
         variants = wl["variants"]
         assert set(variants) == expected
+        roomy = wl["tree_work_roomy"]  # the README's "a pool neither cache evicts from"
+        assert set(roomy) == {"stock", "ours_hinted"}
+        assert all(w["evictions"] == 0 and w["pool_tokens"] > wl["pool_tokens"] for w in roomy.values())
+        assert roomy["stock"]["insert_walk_steps"] > 0 and roomy["stock"]["mean_matched_path_nodes"] > 0
         assert wl["stream_ops"]["admit"] == wl["stream_ops"]["finish"] + wl["stream_ops"].get("abort", 0)
         stock = {kind: e["calls"] for kind, e in variants["stock"]["per_kind"].items()}
         assert stock["match"] == stock["lock"] == stock["unlock"] == wl["stream_ops"]["admit"]
