@@ -192,6 +192,30 @@ def test_lifecycle_fork_is_charged_and_closed_exactly():
     assert_idle_ok(driver)
 
 
+def test_session_close_finds_every_branch_even_one_the_seen_set_forgot():
+    """close_session looks branches up by session (never by scanning every branch ever seen); a branch
+    the bounded seen set has forgotten but that still owns nodes is found through the owner index."""
+    driver = OfflineDriver(pool_tokens=4096)
+    cache = driver.cache
+    cache.seen.limit = 1  # remember only the latest branch
+    for i, (session, branch) in enumerate([("s", "main"), ("s", "w1"), ("other", "main")]):
+        hint = {"session": session, "branch": branch}
+        req = driver.admit(f"r{i}", ids(100 * i, 40), kv_hints=lifecycle_envelope(hint, message_id=f"m{i}"))
+        driver.extend(req, [450, 451])
+        driver.finish(req)
+    s_main, s_w1, other = BranchKey("|", "s", "main"), BranchKey("|", "s", "w1"), BranchKey("|", "other", "main")
+    assert s_main not in cache.seen and s_w1 not in cache.seen and other in cache.seen
+    assert all(cache.tree_core.owned_tokens(b) == 41 for b in (s_main, s_w1, other))
+    free_before = driver.free_tokens()
+    with driver.activated():
+        result = cache.close_session(None, "s")
+    assert result == {"branches": 2, "freed_tokens": 82}
+    assert driver.free_tokens() == free_before + 82
+    assert cache.tree_core.owned_tokens(s_main) == cache.tree_core.owned_tokens(s_w1) == 0
+    assert cache.tree_core.owned_tokens(other) == 41 and other not in cache.closed
+    assert_idle_ok(driver)
+
+
 def test_fork_of_unknown_parent_is_refused_before_allocating():
     driver = OfflineDriver(pool_tokens=1024)
     hint = lifecycle_envelope({"session": "s", "branch": "b1", "parent_branch": "nobody"}, message_id="m")
