@@ -311,9 +311,11 @@ def _rust_core_selected():
         urc.select_tree_core_backend = saved
 
 
-def build(variant: str, stream: Stream):
-    """A fresh offline cache for ``variant`` over SGLang's CPU pools, sized for ``stream``."""
-    kwargs = dict(pool_tokens=stream.pool_tokens, max_reqs=stream.max_reqs, context_len=stream.context_len)
+def build(variant: str, stream: Stream, pool_tokens: int | None = None):
+    """A fresh offline cache for ``variant`` over SGLang's CPU pools, sized for ``stream`` (its pool
+    unless ``pool_tokens`` is given)."""
+    kwargs = dict(pool_tokens=pool_tokens or stream.pool_tokens, max_reqs=stream.max_reqs,
+                  context_len=stream.context_len)
     if variant == "rust":
         with _rust_core_selected():
             cache = offline.build_offline_cache(stock=True, **kwargs)
@@ -354,9 +356,9 @@ def _integrity(driver, variant: str) -> dict:
 class Player:
     """One variant's fresh cache and driver, fed the stream one driver op at a time."""
 
-    def __init__(self, stream: Stream, variant: str):
+    def __init__(self, stream: Stream, variant: str, pool_tokens: int | None = None):
         self.variant = variant
-        self.cache = build(variant, stream)
+        self.cache = build(variant, stream, pool_tokens)
         self.driver = offline.OfflineDriver(self.cache)
         self.hinted = variant == "ours_hinted"
         self.timer = OpTimer()
@@ -518,11 +520,7 @@ def tree_work(stream: Stream, variant: str, pool_tokens: int | None = None) -> d
     not all bookkeeping; these figures say how much longer. ``pool_tokens`` plays it in another pool
     (a roomy one shows the tree both caches build when neither has to evict)."""
     counts: Counter = Counter()
-    saved, stream.pool_tokens = stream.pool_tokens, pool_tokens or stream.pool_tokens
-    try:
-        player, sizes, matched = Player(stream, variant), [], []
-    finally:
-        stream.pool_tokens = saved
+    player, sizes, matched = Player(stream, variant, pool_tokens), [], []
     core = player.cache.tree_core
     with _counting_insert_steps(counts):
         for op in stream.ops:
