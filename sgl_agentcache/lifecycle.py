@@ -19,7 +19,6 @@ the parent's; a child branch is never charged for them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -98,7 +97,6 @@ def eviction_rank(state: NodeState, session_ref: int, last_access: float, kept: 
     return (value, session_ref > 0, session_ref, last_access)
 
 
-@dataclass(frozen=True)
 class InsertPlan:
     """How the tokens of one request are classified, by absolute offset in the request.
 
@@ -106,19 +104,25 @@ class InsertPlan:
     (the parent's session history, when the request is a fork); from ``fork_point`` on, tokens belong
     to ``own`` (SCRATCH of the branch for a fork, else SESSION of the branch). Only nodes the request's
     insert *creates* are classified; nodes it matched keep their state and owner.
+
+    Immutable by contract: one plan serves every insert of its request. A slots class rather than a
+    frozen dataclass, whose ``__init__`` pays an ``object.__setattr__`` per field: one plan is built
+    per request on the scheduler thread.
     """
 
-    own: NodeState
-    stable_end: int = 0
-    fork_point: int = 0
-    parent: NodeState | None = None
-    #: Offsets where a created node must be split so every node has exactly one class (derived once:
-    #: every insert of the request reads it).
-    boundaries: tuple[int, ...] = field(init=False, compare=False)
+    __slots__ = ("own", "stable_end", "fork_point", "parent", "boundaries")
 
-    def __post_init__(self) -> None:
-        bounds = tuple(sorted({b for b in (self.stable_end, self.fork_point) if b > 0}))
-        object.__setattr__(self, "boundaries", bounds)
+    def __init__(self, own: NodeState, stable_end: int = 0, fork_point: int = 0,
+                 parent: NodeState | None = None):
+        self.own, self.stable_end, self.fork_point, self.parent = own, stable_end, fork_point, parent
+        #: Offsets where a created node must be split so every node has exactly one class: the
+        #: distinct positive ones of ``stable_end`` and ``fork_point``, ascending.
+        low, high = (stable_end, fork_point) if stable_end <= fork_point else (fork_point, stable_end)
+        self.boundaries: tuple[int, ...] = (low, high) if 0 < low < high else (high,) if high > 0 else ()
+
+    def __repr__(self) -> str:
+        return (f"InsertPlan(own={self.own!r}, stable_end={self.stable_end}, fork_point={self.fork_point}, "
+                f"parent={self.parent!r})")
 
     def state_at(self, offset: int) -> NodeState:
         if offset < self.stable_end:

@@ -385,3 +385,15 @@ def test_parse_header_total(value):
     except HintError:
         return
     assert isinstance(hint, LifecycleHint)
+
+
+def test_largest_valid_payload_is_under_the_limit():
+    """parse_payload converts before it measures: sound only because no valid hint can be oversized
+    (every field is bounded, unknown fields are refused). Every field here takes its longest value."""
+    payload = {"session": "s" * 128, "branch": "b" * 128, "parent_branch": "p" * 128,
+               "stable_prefix_tokens": MAX_TOKENS_FIELD, "fork_point_tokens": MAX_TOKENS_FIELD,
+               "close": False, "edit_from_tokens": MAX_TOKENS_FIELD, "tool_class": "t" * 64,
+               "deadline_ms": 86_400_000, "priority": -100, "prefetch": False}
+    assert set(payload) == set(LifecycleHint.__struct_fields__), "a new hint field needs its longest value here"
+    assert parse_payload(payload).session == "s" * 128
+    assert len(json.dumps(payload, ensure_ascii=True)) < MAX_PAYLOAD_BYTES // 2

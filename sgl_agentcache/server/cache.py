@@ -49,6 +49,8 @@ FULL = ComponentType.FULL
 BRANCH_QUOTA_ENV = "AGENTCACHE_BRANCH_QUOTA_TOKENS"    # forked branches (subagents): pool / 4
 SESSION_QUOTA_ENV = "AGENTCACHE_SESSION_QUOTA_TOKENS"  # root branches (a session's history): pool / 2
 _STOCK_FLUSH = UnifiedRadixCache.flush_pending_backups  # the per-step tick we extend (pinned)
+_STOCK_CHECKPOINT = UnifiedRadixCache.checkpoint_into_tree  # every insert goes through it (pinned)
+_STOCK_ON_RELEASE = UnifiedRadixCache.on_release  # every request's release (pinned)
 
 
 def _tp_rank() -> int:
@@ -199,36 +201,45 @@ class AgentRadixCache(UnifiedRadixCache):
         return super().match_prefix(params)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
-        plan = self._plan(req)
-        if self.disable or plan is UNTAGGED_PLAN:
-            return super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
-        if plan.own.owner is not None:
-            self.seen.add(plan.own.owner)
+        # Runs for every insert (twice per request at least): the common case -- the request's plan
+        # is current, the branch is within its quota, the insert only extends the branch past its
+        # boundaries -- costs a few attribute reads around the stock insert.
+        if getattr(req, "agentcache_closed_version", None) == self.closed.version:
+            plan = req.agentcache_plan
+        else:
+            first = getattr(req, "agentcache_plan", None) is None
+            plan = self._plan(req)
+            if first and plan.own.owner is not None:  # a request that never passed admit(): seen now
+                self.seen.add(plan.own.owner)
+        if plan is UNTAGGED_PLAN or self.disable:
+            return _STOCK_CHECKPOINT(self, req, up_to=up_to, **kwargs)
+        own = plan.own
+        owner = own.owner
         hint: LifecycleHint | None = req.agentcache_hint
         if hint is not None and hint.edit_from_tokens is not None and not getattr(req, "agentcache_edited", False):
             req.agentcache_edited = True
-            self.context_edit_freed_tokens += self._drop_edited_history(req, plan.own.owner, hint.edit_from_tokens)
-        up_to = self._clip_to_quota(req, plan, up_to)
+            self.context_edit_freed_tokens += self._drop_edited_history(req, owner, hint.edit_from_tokens)
         core = self.tree_core
         locked = req.kv.cache_protected_len  # in the tree and locked: the insert creates nodes past it only
-        core.insert_state = plan.own
+        if owner is not None and not own.terminated:
+            # Tokens the branch holds on the host tier count against its quota too.
+            over = (core.owned_count.get(owner, 0) + self.pauses.host.tokens_of(owner)
+                    + max(up_to - locked, 0) - self.quota_for(plan))
+            if over > 0:
+                up_to = self._clip_to_quota(req, plan, up_to, over)
+        core.insert_state = own
         try:
-            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+            _STOCK_CHECKPOINT(self, req, up_to=up_to, **kwargs)
         finally:
             core.insert_state = None
-        self._settle(req, plan, locked)
+        fresh = core.take_fresh()
+        if fresh and plan.boundaries and req.last_node is not None:
+            self._settle(req, plan, locked, fresh)
 
-    def _clip_to_quota(self, req, plan: InsertPlan, up_to: int) -> int:
-        """Make room within the branch quota (own oldest nodes first); clip what still does not fit."""
-        owner = plan.own.owner
-        if owner is None or plan.own.terminated:
-            return up_to
-        quota = self.quota_for(plan)
-        new_tokens = max(up_to - req.kv.cache_protected_len, 0)
-        # Tokens the branch holds on the host tier count against its quota too.
-        over = self.tree_core.owned_tokens(owner) + self.pauses.host.tokens_of(owner) + new_tokens - quota
-        if over <= 0:
-            return up_to
+    def _clip_to_quota(self, req, plan: InsertPlan, up_to: int, over: int) -> int:
+        """Make room for an insert ``over`` tokens past the branch quota (own oldest nodes first);
+        return how far the insert may go (what still does not fit is not inserted)."""
+        owner, quota = plan.own.owner, self.quota_for(plan)
         # The branch's own oldest nodes go first -- but never one this insert would walk through (it
         # would re-create the same tokens at once: an eviction that frees nothing).
         on_path = self._path_nodes(req, up_to)
@@ -302,16 +313,10 @@ class AgentRadixCache(UnifiedRadixCache):
         """Forked branches get the branch quota; a session's root branch the (larger) session quota."""
         return self.branch_quota_tokens if plan.parent is not None else self.session_quota_tokens
 
-    def _settle(self, req, plan: InsertPlan, locked: int) -> None:
-        """Split the nodes this insert created at the plan's boundaries and stamp each part
+    def _settle(self, req, plan: InsertPlan, locked: int, fresh: set) -> None:
+        """Split the ``fresh`` nodes this insert created at the plan's boundaries and stamp each part
         (``locked``: the request's tokens the tree held, locked, before the insert)."""
-        core = self.tree_core
-        fresh = core.take_fresh()
-        if not fresh or req.last_node is None:
-            return
-        boundaries = plan.boundaries
-        if not boundaries:  # one class and owner throughout: every created node got it at birth
-            return
+        core, boundaries = self.tree_core, plan.boundaries
         # The common insert extends a branch past its fork point and stable prefix: every created node
         # (the tail of the path) already has the plan's own state, stamped at birth, which is what
         # _stamp would give it; skip the walk. The boundary rounds up to its page's end.
@@ -463,23 +468,21 @@ class AgentRadixCache(UnifiedRadixCache):
         return dataclasses.replace(result, num_tokens_evicted=result.num_tokens_evicted + freed) if freed else result
 
     def on_release(self, req, *, checkpointed: bool) -> None:
-        super().on_release(req, checkpointed=checkpointed)
+        _STOCK_ON_RELEASE(self, req, checkpointed=checkpointed)
         restores = getattr(req, "agentcache_restores", None)
         if restores is not None and restores[1] is not None:  # it ran (or left) without its own copy
             req.agentcache_restores = None
             self.pauses.end_resume(restores[1], abandoned=True)
         plan: InsertPlan | None = getattr(req, "agentcache_plan", None)
-        if plan is None or plan is UNTAGGED_PLAN:
-            self.reclaim_terminated()
-            return
-        hint: LifecycleHint | None = req.agentcache_hint
-        if plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
+        if plan is not None and plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
             # An aborted subagent (fork) is cancelled for good; an aborted turn of a root branch (a
             # client timeout on the lead agent) must not drop the whole session's history.
-            aborted_fork = plan.parent is not None and isinstance(req.finished_reason, FINISH_ABORT)
-            if aborted_fork or (hint is not None and hint.close and req.finished()):
+            hint: LifecycleHint | None = req.agentcache_hint
+            if ((plan.parent is not None and isinstance(req.finished_reason, FINISH_ABORT))
+                    or (hint is not None and hint.close and req.finished())):
                 self.close_branch(plan.own.owner)
-        self.reclaim_terminated()
+        if self.tree_core.reclaim_due:  # the request's unlock may have exposed terminated leaves
+            self.reclaim_terminated()
 
     def reset(self) -> None:
         """SGLang's full reset (``Scheduler.flush_cache``: ``/flush_cache``, weight updates) empties the

@@ -32,7 +32,11 @@ from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
 
 
 RECORD_ENV = "AGENTCACHE_RECORD_EVICTIONS"
-_STOCK_UPDATE_LEAF_SETS = UnifiedTreeCore._update_evictable_leaf_sets  # called per node change (pinned)
+# Stock methods our overrides call directly (cheaper than super(): each runs per node an insert or match
+# touches). All pinned in pins.py.
+_STOCK_UPDATE_LEAF_SETS = UnifiedTreeCore._update_evictable_leaf_sets
+_STOCK_NEW_NODE = UnifiedTreeCore._new_node
+_STOCK_ADD_NEW_NODE = UnifiedTreeCore._add_new_node
 
 
 class AgentTreeCore(UnifiedTreeCore):
@@ -58,17 +62,18 @@ class AgentTreeCore(UnifiedTreeCore):
         super().reset()
 
     def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
-        node = super()._new_node(priority=priority)
+        node = _STOCK_NEW_NODE(self, priority=priority)
         node.agent = UNTAGGED_STATE  # shared and never mutated: states are replaced, not edited
         return node
 
     def _add_new_node(self, parent, key, value, priority=0, session_id=None, rotation_base=None):
-        node = super()._add_new_node(
-            parent, key, value, priority=priority, session_id=session_id, rotation_base=rotation_base
+        node = _STOCK_ADD_NEW_NODE(
+            self, parent, key, value, priority=priority, session_id=session_id, rotation_base=rotation_base
         )
-        if self.insert_state is not None:
+        state = self.insert_state
+        if state is not None:
             self.fresh.add(node)
-            self._adopt(node, self.insert_state)  # born UNTAGGED: nothing to forget first
+            self._adopt(node, state)  # born UNTAGGED: nothing to forget first
         return node
 
     def _split_node(self, key, child, split_len):
@@ -82,7 +87,7 @@ class AgentTreeCore(UnifiedTreeCore):
         return new_node, action
 
     def _update_evictable_leaf_sets(self, node: UnifiedTreeNode) -> None:
-        _STOCK_UPDATE_LEAF_SETS(self, node)  # direct call: this runs several times per insert and match
+        _STOCK_UPDATE_LEAF_SETS(self, node)
         if self.terminated and node in self.terminated and node in self.evictable_device_leaves:
             self.reclaim_due = True
 
