@@ -67,12 +67,8 @@ class NodeState(NamedTuple):
         return self if self.terminated else NodeState(self.cls, self.owner, True)
 
 
-def untagged() -> NodeState:
-    """State for nodes inserted by requests that carry no lifecycle hint."""
-    return NodeState()
-
-
-#: The one state every node is born with.
+#: The one state every node is born with, and that of every node a request without a lifecycle hint
+#: inserts (states are immutable, so one value serves them all).
 UNTAGGED_STATE = NodeState()
 
 
@@ -133,7 +129,7 @@ class InsertPlan:
 
 
 STABLE_STATE = NodeState(NodeClass.STABLE)
-UNTAGGED_PLAN = InsertPlan(own=untagged())
+UNTAGGED_PLAN = InsertPlan(own=UNTAGGED_STATE)
 
 
 class RecentBranches:

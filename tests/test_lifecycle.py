@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 from sgl_agentcache.hints import LifecycleHint, insert_plan
 from sgl_agentcache.lifecycle import (
     UNTAGGED_PLAN,
+    UNTAGGED_STATE,
     BranchKey,
     NodeClass,
     NodeState,
     RecentBranches,
     eviction_rank,
-    untagged,
 )
 
 B = BranchKey("|", "s", "b")
@@ -39,7 +39,7 @@ def test_eviction_order_is_terminated_scratch_session_stable_then_refs_then_rece
 
 @given(st.lists(st.floats(allow_nan=False), min_size=2, max_size=20))
 def test_untagged_traffic_keeps_stock_lru_order(times):
-    ranked = sorted(times, key=lambda t: eviction_rank(untagged(), 0, t))
+    ranked = sorted(times, key=lambda t: eviction_rank(UNTAGGED_STATE, 0, t))
     assert ranked == sorted(times)
 
 
@@ -68,7 +68,7 @@ def test_plan_of_closed_branch_is_born_terminated():
 
 def test_no_hint_is_untagged():
     assert insert_plan(None, "ns", set()) is UNTAGGED_PLAN
-    assert UNTAGGED_PLAN.boundaries == () and UNTAGGED_PLAN.state_at(0) == untagged()
+    assert UNTAGGED_PLAN.boundaries == () and UNTAGGED_PLAN.state_at(0) == UNTAGGED_STATE
 
 
 def test_recent_branches_is_bounded_and_ordered():
