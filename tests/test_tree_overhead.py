@@ -36,7 +36,8 @@ def test_quick_benchmark_compares_like_with_like_and_writes_every_section(tmp_pa
     assert isinstance(rust["available"], bool)
     if not rust["available"]:
         assert rust["reason"]
-    expected = {"stock", "stock_again", "ours_untagged", "ours_hinted"} | ({"rust"} if rust["available"] else set())
+    expected = ({"stock", "stock_again", "ours_untagged", "ours_hinted", "ours_hinted_full_walk"}
+                | ({"rust"} if rust["available"] else set()))
 
     assert {wl["workload"] for wl in result["workloads"]} == {"branch_heavy", "short_tools"}
     for wl in result["workloads"]:
@@ -55,9 +56,21 @@ def test_quick_benchmark_compares_like_with_like_and_writes_every_section(tmp_pa
             # Stream-driven kinds are equal everywhere; a second stock cache, untagged ours and the Rust
             # core match stock in every kind (same traffic, same decisions); only the hinted cache adds
             # agent-only kinds and evicts at other moments.
-            same = bench.STREAM_KINDS if name == "ours_hinted" else bench.KINDS
+            same = bench.STREAM_KINDS if name.startswith("ours_hinted") else bench.KINDS
             assert {k: calls.get(k) for k in same} == {k: stock.get(k) for k in same}, (wl["workload"], name)
             if name != "stock":
                 assert entry["total_ratio"] > 0 and len(entry["ratio_samples"]) == result["reps"]
         assert variants["ours_hinted"]["per_kind"]["admit"]["calls"] == wl["stream_ops"]["admit"]
+        # The locked-prefix skip changes no decision (same calls of every kind, same hits) and saves
+        # exactly the walk steps it skips: untagged + skipped == stock, hinted + skipped == full walk.
+        hinted, walked = variants["ours_hinted"], variants["ours_hinted_full_walk"]
+        assert ({k: e["calls"] for k, e in hinted["per_kind"].items()}
+                == {k: e["calls"] for k, e in walked["per_kind"].items()})
+        assert hinted["cached_tokens"] == walked["cached_tokens"]
+        work = wl["tree_work"]
+        for skipping, walking in (("ours_untagged", "stock"), ("ours_hinted", "ours_hinted_full_walk")):
+            assert work[skipping]["insert_skipped_nodes"] > work[skipping]["insert_walk_steps"] > 0
+            assert (work[skipping]["insert_walk_steps"] + work[skipping]["insert_skipped_nodes"]
+                    == work[walking]["insert_walk_steps"]), (wl["workload"], skipping)
+            assert work[walking]["insert_skipped_nodes"] == 0
         assert "admit" not in variants["ours_untagged"]["per_kind"]

@@ -106,6 +106,9 @@ class AgentRadixCache(UnifiedRadixCache):
         # baselines run the same cache with "lru" (stock order, pins still honoured) or "next_use"
         # (furthest expected next use first, from ``next_use``: KVFlow-style, or Belady for the oracle).
         self.ranking = "lifecycle"
+        # Inserts start at the request's locked node instead of re-walking its prefix from the root
+        # (AgentTreeCore._skip_locked_prefix: same tree, same decisions). Off only to measure it.
+        self.skip_locked_prefix = True
         self.next_use: dict[BranchKey, float] = {}
         base = core.eviction_strategy
         core.eviction_strategy = _LifecycleStrategy(self, base)
@@ -211,15 +214,19 @@ class AgentRadixCache(UnifiedRadixCache):
             plan = self._plan(req)
             if first and plan.own.owner is not None:  # a request that never passed admit(): seen now
                 self.seen.add(plan.own.owner)
+        core = self.tree_core
         if plan is UNTAGGED_PLAN or self.disable:
-            return _STOCK_CHECKPOINT(self, req, up_to=up_to, **kwargs)
+            core.insert_from = self._insert_start(req)
+            try:
+                return _STOCK_CHECKPOINT(self, req, up_to=up_to, **kwargs)
+            finally:
+                core.insert_from = None
         own = plan.own
         owner = own.owner
         hint: LifecycleHint | None = req.agentcache_hint
         if hint is not None and hint.edit_from_tokens is not None and not getattr(req, "agentcache_edited", False):
             req.agentcache_edited = True
             self.context_edit_freed_tokens += self._drop_edited_history(req, owner, hint.edit_from_tokens)
-        core = self.tree_core
         locked = req.kv.cache_protected_len  # in the tree and locked: the insert creates nodes past it only
         if owner is not None and not own.terminated:
             # Tokens the branch holds on the host tier count against its quota too.
@@ -228,13 +235,24 @@ class AgentRadixCache(UnifiedRadixCache):
             if over > 0:
                 up_to = self._clip_to_quota(req, plan, up_to, over)
         core.insert_state = own
+        core.insert_from = self._insert_start(req)
         try:
             _STOCK_CHECKPOINT(self, req, up_to=up_to, **kwargs)
         finally:
-            core.insert_state = None
+            core.insert_state = core.insert_from = None
         fresh = core.take_fresh()
         if fresh and plan.boundaries and req.last_node is not None:
             self._settle(req, plan, locked, fresh)
+
+    def _insert_start(self, req):
+        """The node ``req`` holds locked, where its insert may start (see
+        ``AgentTreeCore._skip_locked_prefix``); None: the insert walks from the root, as stock's does."""
+        if not self.skip_locked_prefix or req.last_node is None:
+            return None
+        try:
+            return self.tree_core.node_by_id(req.last_node)
+        except KeyError:  # not in the tree (cannot happen to a locked node): let SGLang's walk decide
+            return None
 
     def _clip_to_quota(self, req, plan: InsertPlan, up_to: int, over: int) -> int:
         """Make room for an insert ``over`` tokens past the branch quota (own oldest nodes first);

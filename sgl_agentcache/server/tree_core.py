@@ -15,6 +15,13 @@ subclass of ``UnifiedTreeCore``. It overrides only node birth, split, death and 
 During an insert the cache sets ``insert_state``; every node the insert creates is stamped with it and
 recorded in ``fresh`` (split fragments of a fresh node are fresh too), so the cache can classify
 exactly the created tokens afterwards (``settle``). Matched nodes are never touched.
+
+The cache also sets ``insert_from``, the node its request holds locked, and the insert then starts
+there instead of at the root (:meth:`_skip_locked_prefix`). SGLang's walk re-compares and re-slices
+the request's whole key node by node, although the locked path already is exactly its first
+``cache_protected_len`` tokens: that re-walk was about a quarter of stock's cache time on our agent
+streams. Every side effect the walk has on those nodes (LRU stamp, priority, hit count) is replayed
+in the same order, so the tree, its LRU order and every later decision are the same as stock's.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ RECORD_ENV = "AGENTCACHE_RECORD_EVICTIONS"
 _STOCK_UPDATE_LEAF_SETS = UnifiedTreeCore._update_evictable_leaf_sets
 _STOCK_NEW_NODE = UnifiedTreeCore._new_node
 _STOCK_ADD_NEW_NODE = UnifiedTreeCore._add_new_node
+_STOCK_INSERT_WALK_STEP = UnifiedTreeCore._insert_walk_step
+_SKIP_READS = ("enable_hicache", "enable_external_cache_linker", "is_eagle", "components", "root_node")
 
 
 class AgentTreeCore(UnifiedTreeCore):
@@ -45,11 +54,17 @@ class AgentTreeCore(UnifiedTreeCore):
     def __init__(self, params, components):
         # Set before super().__init__: it calls reset(), which creates the root through _new_node.
         self.insert_state: Optional[NodeState] = None
+        self.insert_from: Optional[UnifiedTreeNode] = None
         self.fresh: set[UnifiedTreeNode] = set()
         # Every node deletion, in order, when AGENTCACHE_RECORD_EVICTIONS=1 (tests compare the
         # server's decisions with the replayer's): (crc32 of the node's tokens, tokens, class).
         self.deletions: Optional[deque] = deque(maxlen=65536) if os.environ.get(RECORD_ENV) == "1" else None
         super().__init__(params, components)
+        # Read by every insert (_skip_locked_prefix); pins.py checks methods, not attributes, so a
+        # rename in a later SGLang must stop the server here rather than at its first request.
+        missing = [a for a in _SKIP_READS if not hasattr(self, a)]
+        if missing:
+            raise RuntimeError(f"UnifiedTreeCore no longer has {missing}: the locked-prefix skip needs them")
 
     # ---- SGLang overrides (pinned) ----
 
@@ -85,6 +100,57 @@ class AgentTreeCore(UnifiedTreeCore):
         if child in self.fresh:
             self.fresh.add(new_node)
         return new_node, action
+
+    def _insert_walk_step(self, state) -> None:
+        start = self.insert_from
+        if start is not None and state.node is self.root_node and state.total_prefix_length == 0:
+            self._skip_locked_prefix(state, start)
+        _STOCK_INSERT_WALK_STEP(self, state)
+
+    def _skip_locked_prefix(self, state, start: UnifiedTreeNode) -> None:
+        """Move a fresh insert walk from the root down ``start``'s path, as far as the insert's key
+        reaches and no further than ``prev_prefix_len`` (the tokens the request already holds from the
+        tree, so the walk would free no duplicate there), doing what the walk does to each node passed.
+
+        The caller vouches that ``start``'s path spells the key's first tokens: it is the node the
+        request holds locked, whose path's KV slots are the first ``cache_protected_len`` of the
+        request's row, so SGLang's attention already relies on exactly that. A node that is
+        detached or evicted, auxiliary components (SWA, Mamba), HiCache or external write-through
+        (a hit may fire a backup at a walk barrier), bigram keys or rotation bases leave the walk
+        to SGLang unchanged. ``tests/test_locked_prefix_skip.py`` checks tree and LRU order against
+        the full walk after every operation of an agent stream.
+        """
+        if (self.enable_hicache or self.enable_external_cache_linker or self.is_eagle
+                or len(self.components) != 1 or state.params.rotation_base is not None):
+            return
+        path, node = [], start
+        while node is not self.root_node:
+            if node is None or node.evicted:
+                return
+            path.append(node)
+            node = node.parent
+        limit = min(len(state.key), state.params.prev_prefix_len)
+        inserted, priority, total = state.params.inserted_len, state.priority, 0
+        passed = None
+        for node in reversed(path):
+            end = total + len(node.key)
+            if end > limit:
+                break
+            # What _insert_walk_step does to a fully matched, device-resident node of the base
+            # component: stamp its LRU time, raise its priority, count the hit (never a backup here:
+            # HiCache is off), and move on.
+            self._touch_node(node)
+            if node.priority < priority:
+                node.priority = priority
+            if end > inserted:
+                self._inc_hit_count_and_check(node)
+            total, passed = end, node
+        if passed is None:
+            return
+        state.node = passed
+        state.total_prefix_length = total
+        state.key = state.key[total:]
+        state.value = state.value[total:]
 
     def _update_evictable_leaf_sets(self, node: UnifiedTreeNode) -> None:
         _STOCK_UPDATE_LEAF_SETS(self, node)
