@@ -134,3 +134,32 @@ def test_untagged_traffic_matches_stock_sglang(bench, stream):
     ours, stock = _build(stream, 1), _build(stream, 1, stock=True)
     counts = play_side_by_side(bench, stream, Side(ours, False), Side(stock, False), ours.tree_core)
     assert counts[id(ours.tree_core)] + counts[(id(ours.tree_core), "skipped")] == counts[id(stock.tree_core)]
+
+
+def test_a_start_node_off_the_key_leaves_the_walk_to_sglang():
+    """A start node whose path is not the key's prefix (a caller's mistake) must not graft the key
+    under it: the spot check sends the insert down SGLang's own walk, so the tree is the one a
+    cache without the start node builds."""
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    trees = []
+    for forge in (False, True):
+        cache = offline.build_offline_cache(pool_tokens=256)
+        driver = offline.OfflineDriver(cache)
+        driver.finish(driver.admit("a", list(range(1, 41))))  # the tree holds [1..40] as one leaf
+        core = cache.tree_core
+        (leaf,) = core.root_node.children.values()
+        with driver.activated():
+            ids = list(range(101, 161))  # shares no token with [1..40]
+            slots = cache.token_to_kv_pool_allocator.alloc(len(ids))
+            core.insert_from = leaf if forge else None
+            try:
+                cache.insert(InsertParams(key=RadixKey(ids), value=slots.to(torch.int64), prev_prefix_len=40))
+            finally:
+                core.insert_from = None
+        trees.append(tree(core))
+        assert driver.check().ok
+    assert trees[0] == trees[1]
+    assert len(trees[0][0]) == 2  # two leaves under the root: nothing was grafted under [1..40]

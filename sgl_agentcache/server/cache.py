@@ -251,7 +251,7 @@ class AgentRadixCache(UnifiedRadixCache):
             return None
         try:
             return self.tree_core.node_by_id(req.last_node)
-        except KeyError:  # not in the tree (cannot happen to a locked node): let SGLang's walk decide
+        except KeyError:  # not a tree node (a streaming session's virtual node): SGLang's walk decides
             return None
 
     def _clip_to_quota(self, req, plan: InsertPlan, up_to: int, over: int) -> int:

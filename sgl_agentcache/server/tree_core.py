@@ -114,11 +114,12 @@ class AgentTreeCore(UnifiedTreeCore):
 
         The caller vouches that ``start``'s path spells the key's first tokens: it is the node the
         request holds locked, whose path's KV slots are the first ``cache_protected_len`` of the
-        request's row, so SGLang's attention already relies on exactly that. A node that is
-        detached or evicted, auxiliary components (SWA, Mamba), HiCache or external write-through
-        (a hit may fire a backup at a walk barrier), bigram keys or rotation bases leave the walk
-        to SGLang unchanged. ``tests/test_locked_prefix_skip.py`` checks tree and LRU order against
-        the full walk after every operation of an agent stream.
+        request's row, so SGLang's attention already relies on exactly that (each node is spot-checked
+        too). A node that is detached or evicted, another namespace, a failed spot check, auxiliary
+        components (SWA, Mamba), HiCache or external write-through (a hit may fire a backup at a walk
+        barrier), bigram keys or rotation bases leave the walk to SGLang unchanged.
+        ``tests/test_locked_prefix_skip.py`` checks tree and LRU order against the full walk after
+        every operation of an agent stream.
         """
         if (self.enable_hicache or self.enable_external_cache_linker or self.is_eagle
                 or len(self.components) != 1 or state.params.rotation_base is not None):
@@ -129,27 +130,38 @@ class AgentTreeCore(UnifiedTreeCore):
                 return
             path.append(node)
             node = node.parent
-        limit = min(len(state.key), state.params.prev_prefix_len)
-        inserted, priority, total = state.params.inserted_len, state.priority, 0
-        passed = None
+        key = state.key
+        if not path or path[-1].key.extra_key != key.extra_key or path[-1].key.cache_salt != key.cache_salt:
+            return
+        # Spot-check each node against the key (its first and last token at their offsets): not a
+        # proof -- that would be the comparison we skip -- but a path that is not the request's own
+        # (a caller's mistake, or a future SGLang flow) falls back to the walk before anything changed.
+        tokens, limit = key.token_ids, min(len(key), state.params.prev_prefix_len)
+        passing, total = [], 0
         for node in reversed(path):
-            end = total + len(node.key)
+            ids, end = node.key.token_ids, total + len(node.key)
             if end > limit:
                 break
-            # What _insert_walk_step does to a fully matched, device-resident node of the base
-            # component: stamp its LRU time, raise its priority, count the hit (never a backup here:
-            # HiCache is off), and move on.
+            if ids[0] != tokens[total] or ids[len(node.key) - 1] != tokens[end - 1]:
+                return
+            passing.append(node)
+            total = end
+        if not passing:
+            return
+        # What _insert_walk_step does to a fully matched, device-resident node of the base component:
+        # stamp its LRU time, raise its priority, count the hit (never a backup here: HiCache and the
+        # external linker are off), and move on -- node by node from the root, as the walk would.
+        inserted, priority, end = state.params.inserted_len, state.priority, 0
+        for node in passing:
+            end += len(node.key)
             self._touch_node(node)
             if node.priority < priority:
                 node.priority = priority
             if end > inserted:
                 self._inc_hit_count_and_check(node)
-            total, passed = end, node
-        if passed is None:
-            return
-        state.node = passed
+        state.node = passing[-1]
         state.total_prefix_length = total
-        state.key = state.key[total:]
+        state.key = key[total:]
         state.value = state.value[total:]
 
     def _update_evictable_leaf_sets(self, node: UnifiedTreeNode) -> None:
