@@ -136,30 +136,32 @@ class AgentTreeCore(UnifiedTreeCore):
         # Spot-check each node against the key (its first and last token at their offsets): not a
         # proof -- that would be the comparison we skip -- but a path that is not the request's own
         # (a caller's mistake, or a future SGLang flow) falls back to the walk before anything changed.
+        path.reverse()  # from the root down
         tokens, limit = key.token_ids, min(len(key), state.params.prev_prefix_len)
-        passing, total = [], 0
-        for node in reversed(path):
-            ids, end = node.key.token_ids, total + len(node.key)
+        ends, total = [], 0  # where each passed node's tokens end in the key (len(RadixKey) is not free)
+        for node in path:
+            n = len(node.key)
+            end = total + n
             if end > limit:
                 break
-            if ids[0] != tokens[total] or ids[len(node.key) - 1] != tokens[end - 1]:
+            ids = node.key.token_ids
+            if ids[0] != tokens[total] or ids[n - 1] != tokens[end - 1]:
                 return
-            passing.append(node)
+            ends.append(end)
             total = end
-        if not passing:
+        if not ends:
             return
         # What _insert_walk_step does to a fully matched, device-resident node of the base component:
         # stamp its LRU time, raise its priority, count the hit (never a backup here: HiCache and the
         # external linker are off), and move on -- node by node from the root, as the walk would.
-        inserted, priority, end = state.params.inserted_len, state.priority, 0
-        for node in passing:
-            end += len(node.key)
+        inserted, priority = state.params.inserted_len, state.priority
+        for node, end in zip(path, ends):
             self._touch_node(node)
             if node.priority < priority:
                 node.priority = priority
             if end > inserted:
                 self._inc_hit_count_and_check(node)
-        state.node = passing[-1]
+        state.node = path[len(ends) - 1]
         state.total_prefix_length = total
         state.key = key[total:]
         state.value = state.value[total:]
