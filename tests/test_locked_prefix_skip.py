@@ -136,10 +136,11 @@ def test_untagged_traffic_matches_stock_sglang(bench, stream):
     assert counts[id(ours.tree_core)] + counts[(id(ours.tree_core), "skipped")] == counts[id(stock.tree_core)]
 
 
-def test_a_start_node_off_the_key_leaves_the_walk_to_sglang():
+@pytest.mark.parametrize("locked", [True, False])
+def test_a_start_node_off_the_key_leaves_the_walk_to_sglang(locked):
     """A start node whose path is not the key's prefix (a caller's mistake) must not graft the key
-    under it: the spot check sends the insert down SGLang's own walk, so the tree is the one a
-    cache without the start node builds."""
+    under it: the spot check (start locked, as a request's is) or the lock test (start unlocked)
+    sends the insert down SGLang's own walk, so the tree is the one a cache without it builds."""
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -154,11 +155,14 @@ def test_a_start_node_off_the_key_leaves_the_walk_to_sglang():
         with driver.activated():
             ids = list(range(101, 161))  # shares no token with [1..40]
             slots = cache.token_to_kv_pool_allocator.alloc(len(ids))
+            lock = cache.lock(leaf.id) if locked else None
             core.insert_from = leaf if forge else None
             try:
                 cache.insert(InsertParams(key=RadixKey(ids), value=slots.to(torch.int64), prev_prefix_len=40))
             finally:
                 core.insert_from = None
+                if lock is not None:
+                    cache.unlock(lock)
         trees.append(tree(core))
         assert driver.check().ok
     assert trees[0] == trees[1]

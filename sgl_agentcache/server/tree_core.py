@@ -39,6 +39,7 @@ from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
 
 
 RECORD_ENV = "AGENTCACHE_RECORD_EVICTIONS"
+FULL = ComponentType.FULL
 # Stock methods our overrides call directly (cheaper than super(): each runs per node an insert or match
 # touches). All pinned in pins.py.
 _STOCK_UPDATE_LEAF_SETS = UnifiedTreeCore._update_evictable_leaf_sets
@@ -114,42 +115,50 @@ class AgentTreeCore(UnifiedTreeCore):
 
         The caller vouches that ``start``'s path spells the key's first tokens: it is the node the
         request holds locked, whose path's KV slots are the first ``cache_protected_len`` of the
-        request's row, so SGLang's attention already relies on exactly that (each node is spot-checked
-        too). A node that is detached or evicted, another namespace, a failed spot check, auxiliary
-        components (SWA, Mamba), HiCache or external write-through (a hit may fire a backup at a walk
-        barrier), bigram keys or rotation bases leave the walk to SGLang unchanged.
+        request's row, so SGLang's attention already relies on exactly that (the passed path's first and
+        last tokens are spot-checked too). A start node that is not locked on the device or is
+        detached, another namespace, a failed spot check, auxiliary components (SWA, Mamba), HiCache or
+        external write-through (a hit may fire a backup at a walk barrier), bigram keys or rotation
+        bases leave the walk to SGLang unchanged.
         ``tests/test_locked_prefix_skip.py`` checks tree and LRU order against the full walk after
         every operation of an agent stream.
         """
         if (self.enable_hicache or self.enable_external_cache_linker or self.is_eagle
                 or len(self.components) != 1 or state.params.rotation_base is not None):
             return
+        # Locked and on the device: then so is its whole path (a lock holds every ancestor; HiCache is
+        # off, so nothing locked is ever off the device), and no node needs its own test.
+        data = start.component_data[FULL]
+        if data.lock_ref <= 0 or data.value is None:
+            return
         path, node = [], start
         while node is not self.root_node:
-            if node is None or node.evicted:
+            if node is None:  # detached
                 return
             path.append(node)
             node = node.parent
-        key = state.key
-        if not path or path[-1].key.extra_key != key.extra_key or path[-1].key.cache_salt != key.cache_salt:
+        if not path:  # the start is the root: nothing to skip
             return
-        # Spot-check each node against the key (its first and last token at their offsets): not a
-        # proof -- that would be the comparison we skip -- but a path that is not the request's own
-        # (a caller's mistake, or a future SGLang flow) falls back to the walk before anything changed.
         path.reverse()  # from the root down
-        tokens, limit = key.token_ids, min(len(key), state.params.prev_prefix_len)
+        key = state.key
+        top = path[0].key
+        if top.extra_key != key.extra_key or top.cache_salt != key.cache_salt:
+            return
+        limit = min(len(key), state.params.prev_prefix_len)
         ends, total = [], 0  # where each passed node's tokens end in the key (len(RadixKey) is not free)
         for node in path:
-            n = len(node.key)
-            end = total + n
+            end = total + len(node.key)
             if end > limit:
                 break
-            ids = node.key.token_ids
-            if ids[0] != tokens[total] or ids[n - 1] != tokens[end - 1]:
-                return
             ends.append(end)
             total = end
         if not ends:
+            return
+        # Spot check, not proof (that would be the comparison we skip): the path's first and last
+        # passed tokens must be the key's, or a start node off the key (a caller's mistake, a future
+        # SGLang flow) falls back to SGLang's walk before anything changed.
+        tokens, last = key.token_ids, path[len(ends) - 1].key
+        if top.token_ids[0] != tokens[0] or last.token_ids[len(last) - 1] != tokens[total - 1]:
             return
         # What _insert_walk_step does to a fully matched, device-resident node of the base component:
         # stamp its LRU time, raise its priority, count the hit (never a backup here: HiCache and the
