@@ -115,13 +115,12 @@ class AgentTreeCore(UnifiedTreeCore):
 
         The caller vouches that ``start``'s path spells the key's first tokens: it is the node the
         request holds locked, whose path's KV slots are the first ``cache_protected_len`` of the
-        request's row, so SGLang's attention already relies on exactly that (the passed path's first and
-        last tokens are spot-checked too). A start node that is not locked on the device or is
-        detached, another namespace, a failed spot check, auxiliary components (SWA, Mamba), HiCache or
-        external write-through (a hit may fire a backup at a walk barrier), bigram keys or rotation
-        bases leave the walk to SGLang unchanged.
-        ``tests/test_locked_prefix_skip.py`` checks tree and LRU order against the full walk after
-        every operation of an agent stream.
+        request's row, so SGLang's attention already relies on exactly that (the passed path's first
+        and last tokens are spot-checked too). These leave the walk to SGLang unchanged: a start node
+        not locked on the device, or detached; another namespace; a failed spot check; auxiliary
+        components (SWA, Mamba); HiCache or external write-through (a hit may fire a backup at a walk
+        barrier); bigram keys; rotation bases. ``tests/test_locked_prefix_skip.py`` checks the tree
+        and its LRU order against the full walk after every operation of an agent stream.
         """
         if (self.enable_hicache or self.enable_external_cache_linker or self.is_eagle
                 or len(self.components) != 1 or state.params.rotation_base is not None):
