@@ -361,6 +361,27 @@ def _integrity(driver, variant: str) -> dict:
         return {"ok": report.ok, "errors": report.errors[:5], "scope": "check_tree"}
 
 
+def apply_op(driver, live: dict, op: tuple, hinted: bool):
+    """Run one stream op through ``driver`` (``live``: request id -> its live request, kept up to
+    date); return the request an ``admit`` created, else None. Without ``hinted`` the admissions
+    carry no hint and closes are not sent (the stock policy sends none)."""
+    kind = op[0]
+    if kind == "admit":
+        _, rid, ids, envelope, extra_key = op
+        req = live[rid] = driver.admit(rid, ids, kv_hints=envelope if hinted else None, extra_key=extra_key)
+        return req
+    if kind == "extend":
+        driver.extend(live[op[1]], op[2])
+    elif kind == "finish":
+        driver.finish(live.pop(op[1]))
+    elif kind == "abort":
+        driver.abort(live.pop(op[1]))
+    elif hinted:  # close_branch / close_session
+        with driver.activated():
+            getattr(driver.cache, kind)(*op[1:])
+    return None
+
+
 class Player:
     """One variant's fresh cache and driver, fed the stream one driver op at a time."""
 
@@ -379,21 +400,9 @@ class Player:
 
     def step(self, op: tuple) -> None:
         start = time.perf_counter_ns()
-        kind, driver = op[0], self.driver
-        if kind == "admit":
-            _, rid, ids, envelope, extra_key = op
-            req = self.live[rid] = driver.admit(rid, ids, kv_hints=envelope if self.hinted else None,
-                                                extra_key=extra_key)
+        req = apply_op(self.driver, self.live, op, self.hinted)
+        if req is not None:
             self.cached_tokens += req.cached_tokens
-        elif kind == "extend":
-            driver.extend(self.live[op[1]], op[2])
-        elif kind == "finish":
-            driver.finish(self.live.pop(op[1]))
-        elif kind == "abort":
-            driver.abort(self.live.pop(op[1]))
-        elif self.hinted:  # close_branch / close_session: the stock policy sends no closes
-            with driver.activated():
-                getattr(self.cache, kind)(*op[1:])
         self.wall_ns += time.perf_counter_ns() - start
         ns, seen = self.timer.ns, self._seen
         self.per_op.append({k: v - seen.get(k, 0) for k, v in ns.items() if v != seen.get(k, 0)})

@@ -57,30 +57,18 @@ def tree(core) -> tuple[dict, list]:
 
 
 class Side:
-    """One cache fed the stream through the offline driver (the benchmark's op dispatch)."""
+    """One cache fed the stream through the offline driver (the benchmark's ``apply_op``)."""
 
-    def __init__(self, cache, hinted: bool):
-        self.cache, self.hinted = cache, hinted
+    def __init__(self, bench, cache, hinted: bool):
+        self.apply, self.cache, self.hinted = bench.apply_op, cache, hinted
         self.driver = offline.OfflineDriver(cache)
         self.live: dict = {}
         self.cached_tokens = 0
 
     def step(self, op: tuple) -> None:
-        kind, driver = op[0], self.driver
-        if kind == "admit":
-            _, rid, ids, envelope, extra_key = op
-            req = self.live[rid] = driver.admit(rid, ids, kv_hints=envelope if self.hinted else None,
-                                                extra_key=extra_key)
+        req = self.apply(self.driver, self.live, op, self.hinted)
+        if req is not None:
             self.cached_tokens += req.cached_tokens
-        elif kind == "extend":
-            driver.extend(self.live[op[1]], op[2])
-        elif kind == "finish":
-            driver.finish(self.live.pop(op[1]))
-        elif kind == "abort":
-            driver.abort(self.live.pop(op[1]))
-        elif self.hinted:
-            with driver.activated():
-                getattr(self.cache, kind)(*op[1:])
 
 
 def play_side_by_side(bench, stream, a: Side, b: Side, skipping_core) -> Counter:
@@ -123,7 +111,8 @@ def _build(stream, page_size: int, stock: bool = False):
 def test_hinted_cache_skip_matches_full_walk(bench, stream, page_size):
     skipping, walking = _build(stream, page_size), _build(stream, page_size)
     walking.skip_locked_prefix = False
-    counts = play_side_by_side(bench, stream, Side(skipping, True), Side(walking, True), skipping.tree_core)
+    counts = play_side_by_side(bench, stream, Side(bench, skipping, True), Side(bench, walking, True),
+                               skipping.tree_core)
     # Every node the skip passed is one step the full walk took: nothing else about the walk changed.
     assert (counts[id(skipping.tree_core)] + counts[(id(skipping.tree_core), "skipped")]
             == counts[id(walking.tree_core)])
@@ -132,7 +121,8 @@ def test_hinted_cache_skip_matches_full_walk(bench, stream, page_size):
 
 def test_untagged_traffic_matches_stock_sglang(bench, stream):
     ours, stock = _build(stream, 1), _build(stream, 1, stock=True)
-    counts = play_side_by_side(bench, stream, Side(ours, False), Side(stock, False), ours.tree_core)
+    counts = play_side_by_side(bench, stream, Side(bench, ours, False), Side(bench, stock, False),
+                               ours.tree_core)
     assert counts[id(ours.tree_core)] + counts[(id(ours.tree_core), "skipped")] == counts[id(stock.tree_core)]
 
 
