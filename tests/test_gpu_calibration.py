@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_agentcache.sim.cost import PROFILES, Profile, ProfileError, load_profile, resolve_profile
+from sgl_agentcache.policy.profiles import PROFILES, Profile, ProfileError, load_profile, resolve_profile
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "calibrate.py"
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from sgl_agentcache.policy.pause import PauseAction
-from sgl_agentcache.sim.cost import PROFILES
+from sgl_agentcache.policy.profiles import PROFILES
 from sgl_agentcache.sim.policies import POLICIES, PauseView, continuum_ttl
 from sgl_agentcache.sim.replay import jain, replay
 from sgl_agentcache.sim.suite import SuiteConfig, pool_for, run_suite, write_report

@@ -11,7 +11,7 @@ random-weight Qwen2.5-3B-shaped ``Qwen2ForCausalLM`` built from a config), and i
 3. decode seconds/token at a moderate context, with a KV cache.
 
 Writes ``<out>/<tag>.json`` (schema ``sgl-agentcache-profile/1``, read by
-``sgl_agentcache.sim.cost.load_profile``) and ``<out>/<tag>.raw.json`` (every measurement), then prints
+``sgl_agentcache.policy.profiles.load_profile``) and ``<out>/<tag>.raw.json`` (every measurement), then prints
 a summary. The raw file is rewritten after each section, so a run cut short keeps what it measured.
 
 Time: a global budget (``--budget-s``, default 420 s, imports included) with per-section and

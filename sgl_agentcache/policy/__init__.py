@@ -8,5 +8,7 @@ tensor-parallel rank, the replay driver and the tests get the same answer for th
 - :mod:`.distributions` -- the tool-latency protocol the policies read, plus closed-form families.
 - :mod:`.latency` -- the learned per-(tenant, tool class) latency model and its bounded book.
 - :mod:`.pause` -- keep / offload / discard / release of a paused request's KV.
+- :mod:`.profiles` -- deployment cost profiles (KV bytes per token, prefill rate, bandwidths), read by
+  the server's pause settings and by the replayer alike.
 - :mod:`.worked_example` -- the seed article's keep / swap / recompute example through :mod:`.pause`.
 """

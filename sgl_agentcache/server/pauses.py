@@ -94,7 +94,7 @@ def default_settings(allocator, pool_tokens: int) -> PauseSettings:
     ``seed``; or the path of a profile written by ``bench/gpu/calibrate.py``). KV bytes per token are measured from the pool, unless the profile is named explicitly:
     then the profile's figure is used too (a tiny CPU test model priced as the deployment it stands for).
     """
-    from sgl_agentcache.sim.cost import resolve_profile
+    from sgl_agentcache.policy.profiles import resolve_profile
 
     named = os.environ.get(PROFILE_ENV)
     profile = resolve_profile(named or "seed")  # a built-in name or a calibrated profile file

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from sgl_agentcache.sim.cost import resolve_profile
+    from sgl_agentcache.policy.profiles import resolve_profile
     from sgl_agentcache.sim.policies import POLICIES
     from sgl_agentcache.sim.suite import SuiteConfig, pool_for, run_suite, write_report
 

@@ -10,7 +10,7 @@ is admitted when KV slots can be found (else it waits, FIFO), holds its slots fo
 call ends in a tool call, the policy (:mod:`sgl_agentcache.sim.policies`) decides what happens to the
 branch's KV; the branch's next call is its resume.
 
-Costs come from a :class:`~sgl_agentcache.sim.cost.Profile` (KV bytes per token, prefill and decode
+Costs come from a :class:`~sgl_agentcache.policy.profiles.Profile` (KV bytes per token, prefill and decode
 rates, transfer bandwidths); the cache is told the profile's bytes per token, so its decisions price
 the deployment the profile describes, not the tiny offline pool.
 
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.latency import LatencyBook
-from sgl_agentcache.sim.cost import Profile
+from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.policies import POLICIES, PauseView, ReplayPolicy
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sgl_agentcache.sim.cost import Profile
+from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.policies import POLICIES
 from sgl_agentcache.sim.replay import ReplayResult, replay
 from sgl_agentcache.trace.generators import WORKLOADS, generate

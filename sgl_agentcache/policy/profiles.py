@@ -1,6 +1,7 @@
-"""Cost model constants: a model/hardware profile (pure).
+"""Deployment cost profiles: KV bytes per token, prefill and decode rates, transfer bandwidths (pure).
 
-The replayer moves no real KV and runs no model; it charges time from these constants. Profiles are
+The server's pause decisions price a deployment with one of these (``AGENTCACHE_PROFILE``); the
+replayer, which moves no real KV and runs no model, charges time from the same constants. Profiles are
 named; ``seed`` carries the figures of the tool-pause article (36 KiB of KV per token, 8 GiB/s
 host<->device, 20,000 prefill tokens/s), ``qwen2.5-3b-h200`` is a Qwen2.5-3B-shaped model on an H200
 (provisional, to be replaced by the calibration script's measured profile).
