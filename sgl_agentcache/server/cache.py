@@ -41,6 +41,7 @@ from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
 from sgl_agentcache.server.pauses import PauseBook, default_settings, host_capacity_tokens
+from sgl_agentcache.server.spill import HOST_SPILL_ENV, SpillTier
 from sgl_agentcache.server.tree_core import AgentTreeCore
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,14 @@ class AgentRadixCache(UnifiedRadixCache):
         self.context_edit_freed_tokens = 0
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
+        # Evicted nodes kept on the host tier and loaded back on a later match (HiCache's write-back
+        # semantics); never beside HiCache itself, which already does exactly that with its own pool.
+        spill = os.environ.get(HOST_SPILL_ENV, "0") == "1"
+        if spill and getattr(self, "cache_controller", None) is not None:
+            logger.info("agentcache: HiCache is on; it keeps evicted nodes on host, so %s is ignored", HOST_SPILL_ENV)
+            spill = False
+        self.spill = SpillTier(self, self.pauses.host, enabled=False)
+        self.set_host_spill(spill)
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # How leaves are ranked for eviction: "lifecycle" (ours, see eviction_rank). The replayer's
         # baselines run the same cache with "lru" (stock order, pins still honoured) or "next_use"
@@ -115,6 +124,11 @@ class AgentRadixCache(UnifiedRadixCache):
         full = self.components[FULL]
         full.session_ref_eviction_strategy = lambda node: self.eviction_key(
             node, full.session_ref(node), base.get_priority(node))
+
+    def set_host_spill(self, enabled: bool) -> None:
+        """Turn the node spill (``AGENTCACHE_HOST_SPILL``) on or off; entries already on host stay."""
+        self.spill.enabled = enabled
+        self.tree_core.node_removed = self.spill.on_node_removed if enabled or self.spill.lru else None
 
     @property
     def ranking(self) -> str:
@@ -195,13 +209,21 @@ class AgentRadixCache(UnifiedRadixCache):
         return None
 
     def match_prefix(self, params):
-        """Stock match; first, for a request being matched by the scheduler, its deferred restores."""
+        """Stock match; for a request being matched by the scheduler, first its deferred restores, and
+        after the match, spilled nodes that continue it are loaded back (then it is matched again)."""
         req = params.req
-        if req is not None:
-            restores = getattr(req, "agentcache_restores", None)
-            if restores is not None:  # what found no room stays pending for the request's next match
-                req.agentcache_restores = self.pauses.restore_for_request(*restores)
-        return super().match_prefix(params)
+        if req is None:
+            return super().match_prefix(params)
+        restores = getattr(req, "agentcache_restores", None)
+        if restores is not None:  # what found no room stays pending for the request's next match
+            req.agentcache_restores = self.pauses.restore_for_request(*restores)
+        result = super().match_prefix(params)
+        spill = self.spill
+        if spill.lru and result.device_prefix_len < len(params.key):
+            last = self.tree_core.node_by_id(result.last_device_node)
+            if spill.load_back(params.key, last, result.device_prefix_len):
+                result = super().match_prefix(params)
+        return result
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         # Runs for every insert (twice per request at least): the common case -- the request's plan
@@ -383,7 +405,7 @@ class AgentRadixCache(UnifiedRadixCache):
             return {"closed": False, "reason": "unknown branch"}
         self.closed.add(branch)
         self.quotas.pop(branch, None)
-        host_freed = self.pauses.forget(branch)
+        host_freed = self.pauses.forget(branch) + self.spill.drop_owner(branch)
         core = self.tree_core
         for node in list(core.owner_index.get(branch, ())):
             if not node.agent.terminated:
@@ -421,6 +443,7 @@ class AgentRadixCache(UnifiedRadixCache):
         for branch in sorted(branches, key=lambda b: (b.namespace, b.session, b.branch)):
             freed += self.close_branch(branch).get("freed_tokens", 0)
             self.seen.discard(branch)
+        self.spill.drop_salt(salt)
         freed += self._evict_nodes(self._salted_nodes(salt), budget=None)
         locked = sum(len(n.key) for n in self._salted_nodes(salt) if n.component_data[FULL].value is not None)
         return {"branches_closed": len(branches), "freed_tokens": freed,
@@ -471,13 +494,19 @@ class AgentRadixCache(UnifiedRadixCache):
         return tracker[FULL]
 
     def _evict_device_leaf(self, node_id, tracker):
-        """Stock eviction of one leaf; a leaf host copies hang from is first spilled into them."""
-        anchors = self.pauses.anchors
-        if anchors:
-            node = self.tree_core.node_by_id(node_id)
-            if node in anchors:
-                self.pauses.spill_anchor(node)
-        return super()._evict_device_leaf(node_id, tracker)
+        """Stock eviction of one leaf (memory pressure). A leaf paused branches' host copies hang from is
+        first spilled into them; with the node spill on, the leaf itself is copied to host."""
+        anchors, spill = self.pauses.anchors, self.spill
+        if not anchors and not spill.enabled:
+            return super()._evict_device_leaf(node_id, tracker)
+        node = self.tree_core.node_by_id(node_id)
+        if anchors and node in anchors:
+            self.pauses.spill_anchor(node)
+        spill.spill(node)
+        try:
+            return super()._evict_device_leaf(node_id, tracker)
+        finally:
+            spill.settle_eviction(node)
 
     def evict(self, params):
         """Stock eviction, then reclaim of terminated nodes it exposed as leaves (same step)."""
@@ -509,9 +538,9 @@ class AgentRadixCache(UnifiedRadixCache):
         super().reset()
         pauses = getattr(self, "pauses", None)  # SGLang's __init__ calls reset before ours runs
         if pauses is not None:
-            freed = pauses.reset()
+            freed = pauses.reset() + self.spill.reset()
             if freed:
-                logger.info("agentcache: cache reset dropped %d host-tier tokens of paused branches", freed)
+                logger.info("agentcache: cache reset dropped %d host-tier tokens", freed)
 
     def release_radix_session(self, session_id: str) -> int:
         result = super().release_radix_session(session_id)
@@ -566,6 +595,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "invalid_hints": self.invalid_hints,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
+            "spill": self.spill.stats(),
         }
 
     def namespace_stats(self, namespace: str) -> dict:
@@ -577,7 +607,8 @@ class AgentRadixCache(UnifiedRadixCache):
         return {
             "namespace": namespace,
             "resident_tokens": self.resident_tokens_by_class(namespace),
-            "host_tokens": sum(pauses.host.tokens_of(b) for b in pauses.host.entries if b.namespace == namespace),
+            "host_tokens": sum(pauses.host.tokens_of(b) for b in pauses.host.entries if b.namespace == namespace)
+            + sum(len(e) for e in self.spill.lru if namespace_key(e.extra_key, e.cache_salt) == namespace),
             "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "closed": b in self.closed}
                          for b in branches],
             "paused_branches": sum(b.namespace == namespace for b in pauses.records),

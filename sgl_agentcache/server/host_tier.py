@@ -14,8 +14,10 @@ explicit move of one branch's private suffix, at a moment the policy chooses -- 
 start on CPU (``cudaHostRegister``, see ``docs/cpu-sglang-recipe.md``). This tier runs alongside
 HiCache when that is enabled on GPU; the two never hold the same node (ours holds evicted suffixes).
 
-Capacity is in tokens (``AGENTCACHE_HOST_TOKENS``, default 4x the device pool); a demote that
-does not fit is refused, never partial. Fault injection (``fail_next``) exists for tests: it makes
+Capacity is in tokens (``AGENTCACHE_HOST_TOKENS``, default 4x the device pool), one budget
+shared with the node spill (:mod:`~sgl_agentcache.server.spill`, evicted nodes kept on host): a copy
+that needs room drops spilled nodes least recently used first, and is refused, never partial, when
+paused branches' copies hold the rest. Fault injection (``fail_next``) exists for tests: it makes
 the next transfers of a kind raise, exactly where a real transfer error would.
 """
 
@@ -78,12 +80,12 @@ class HostEntry:
         return state
 
 
-def _nbytes(obj: Any) -> int:
+def nbytes_of(obj: Any) -> int:
     """Total bytes of the tensors in a (nested) CPU copy."""
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):
         return obj.element_size() * obj.numel()
     if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(x) for x in obj)
+        return sum(nbytes_of(x) for x in obj)
     return 0
 
 
@@ -120,6 +122,7 @@ class HostTier:
         self.promotes = TransferStats()
         self.refused_full = 0
         self._fail_next = {"demote": 0, "promote": 0}
+        self.spill = None  # the SpillTier sharing this capacity (it registers itself)
 
     # ---- the interface ----
 
@@ -154,7 +157,7 @@ class HostTier:
         except Exception as exc:  # noqa: BLE001 - any copy failure degrades to recompute
             self.demotes.failures += 1
             raise TransferError(f"device->host copy of {n} tokens failed: {exc}") from exc
-        nbytes = _nbytes(kv)
+        nbytes = nbytes_of(kv)
         self.demotes.add(n, nbytes, time.perf_counter() - began)
         entry = HostEntry(branch, tokens, extra_key, cache_salt, start, list(segments), kv, nbytes)
         self.entries[branch] = entry
@@ -172,15 +175,38 @@ class HostTier:
         except Exception as exc:  # noqa: BLE001 - any copy failure leaves every entry as it was
             self.demotes.failures += 1
             raise TransferError(f"device->host copy of {len(device_indices)} tokens failed: {exc}") from exc
-        self.demotes.add(len(device_indices), _nbytes(kv), time.perf_counter() - began)
+        self.demotes.add(len(device_indices), nbytes_of(kv), time.perf_counter() - began)
         return kv
 
     def has_room(self, n: int) -> bool:
-        """Whether ``n`` more tokens fit; a refusal is counted (``refused_full``)."""
-        if n > self.free_tokens():
-            self.refused_full += 1
-            return False
-        return True
+        """Whether ``n`` more tokens fit, after dropping spilled nodes for them if need be; a refusal
+        is counted (``refused_full``)."""
+        if n <= self.free_tokens() or (self.spill is not None and self.spill.make_room(n)):
+            return True
+        self.refused_full += 1
+        return False
+
+    def charge(self, tokens: int, nbytes: int) -> None:
+        """Count ``tokens`` held by the spill tier against the capacity (it made room first)."""
+        self.used_tokens += tokens
+        self.used_bytes += nbytes
+
+    def release(self, tokens: int, nbytes: int) -> None:
+        """The spill tier let go of ``tokens``."""
+        self.used_tokens -= tokens
+        self.used_bytes -= nbytes
+
+    def copy_in(self, kv, device_indices) -> None:
+        """One host->device copy of ``kv`` (a :meth:`copy_out`) into ``device_indices``; raises
+        :class:`TransferError` when it fails."""
+        began = time.perf_counter()
+        try:
+            self._maybe_fail("promote")
+            self.allocator.load_cpu_copy(kv, device_indices)
+        except Exception as exc:  # noqa: BLE001
+            self.promotes.failures += 1
+            raise TransferError(f"host->device copy of {len(device_indices)} tokens failed: {exc}") from exc
+        self.promotes.add(len(device_indices), nbytes_of(kv), time.perf_counter() - began)
 
     def prepend(self, entry: HostEntry, state: NodeState, kv, n: int) -> None:
         """Make ``kv`` (a :meth:`copy_out` of the ``n`` tokens just in front of ``entry``, ``[start - n,
@@ -191,7 +217,7 @@ class HostTier:
             raise ValueError(f"prepend: {n} tokens in front of offset {entry.start}")
         if n > self.free_tokens():
             raise ValueError(f"prepend: {n} tokens do not fit in {self.free_tokens()} free host tokens")
-        nbytes = _nbytes(kv)
+        nbytes = nbytes_of(kv)
         entry.start -= n
         entry.segments.insert(0, (entry.start, state))
         entry.kv.insert(0, kv)
@@ -214,7 +240,7 @@ class HostTier:
             for i in range(first, len(entry.segments)):
                 a, b = entry.segments[i][0] - begin, entry.segment_end(i) - begin
                 self.allocator.load_cpu_copy(entry.kv[i], device_indices[a:b])
-                nbytes += _nbytes(entry.kv[i])
+                nbytes += nbytes_of(entry.kv[i])
         except Exception as exc:  # noqa: BLE001
             self.promotes.failures += 1
             raise TransferError(f"host->device copy of {entry.end - begin} tokens failed: {exc}") from exc

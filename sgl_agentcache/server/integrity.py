@@ -84,6 +84,7 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
 
     if agent_state:
         errors.extend(_check_ownership(core, nodes, idle=idle, anchors=cache.pauses.anchors))
+        errors.extend(_check_host(cache, set(nodes)))
 
     if evictable != cache.evictable_size():
         errors.append(f"evictable recount {evictable} != evictable_size() {cache.evictable_size()}")
@@ -103,6 +104,30 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
         ok=not errors, errors=errors, nodes=len(nodes), device_tokens=evictable + protected,
         evictable_tokens=evictable, protected_tokens=protected, available_tokens=available, pool_tokens=pool,
     )
+
+
+def _check_host(cache, nodes: set) -> list[str]:
+    """Host-tier accounting: paused copies plus spilled nodes make up exactly what the tier holds, and
+    every spilled entry hangs from a node still in the tree or from another live entry."""
+    errors = []
+    host, spill = cache.pauses.host, cache.spill
+    paused = sum(e.num_tokens for e in host.entries.values())
+    spilled = sum(len(e) for e in spill.lru)
+    if spilled != spill.tokens:
+        errors.append(f"spill recount {spilled} != spill.tokens {spill.tokens}")
+    if paused + spilled != host.used_tokens:
+        errors.append(f"host recount: paused {paused} + spilled {spilled} != used {host.used_tokens}")
+    if host.used_tokens > host.capacity_tokens:
+        errors.append(f"host tier over capacity: {host.used_tokens} > {host.capacity_tokens}")
+    for entry in spill.lru:
+        if entry.anchor is not None:
+            if entry.anchor not in nodes:
+                errors.append(f"a spilled entry of {len(entry)} tokens hangs from a node no longer in the tree")
+        elif entry.parent is None or entry.parent not in spill.lru or entry not in entry.parent.children:
+            errors.append(f"a spilled entry of {len(entry)} tokens hangs from nothing")
+        if entry.state.terminated:
+            errors.append(f"a spilled entry of {len(entry)} tokens belongs to an ended branch")
+    return errors
 
 
 def _check_ownership(core, nodes, *, idle: bool, anchors=frozenset()) -> list[str]:

@@ -60,6 +60,9 @@ class AgentTreeCore(UnifiedTreeCore):
         # Every node deletion, in order, when AGENTCACHE_RECORD_EVICTIONS=1 (tests compare the
         # server's decisions with the replayer's): (crc32 of the node's tokens, tokens, class).
         self.deletions: Optional[deque] = deque(maxlen=65536) if os.environ.get(RECORD_ENV) == "1" else None
+        # Called with every node that leaves the tree (the cache's spill tier re-hangs or drops the host
+        # entries that continued it).
+        self.node_removed = None
         super().__init__(params, components)
         # Read by every insert (_skip_locked_prefix); pins.py checks methods, not attributes, so a
         # rename in a later SGLang must stop the server here rather than at its first request.
@@ -186,6 +189,8 @@ class AgentTreeCore(UnifiedTreeCore):
         super()._unregister_node(node)
         self._forget(node)
         self.fresh.discard(node)
+        if self.node_removed is not None:
+            self.node_removed(node)
 
     # ---- ownership ----
 

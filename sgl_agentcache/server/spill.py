@@ -1,0 +1,349 @@
+"""Node-granular host spill: what eviction takes from the device pool is copied to host, and a later
+match copies it back (SGLang HiCache's ``write_back`` semantics, on our host tier).
+
+When stock eviction takes a device leaf (memory pressure; never a close, a discard, a quota trim or a
+context edit, which free state nobody should read again), its KV is copied to the host tier as one
+:class:`SpillEntry`, with the node's tokens, namespace and lifecycle state. An entry *hangs from* what
+its tokens continue: the device node that was its parent (``anchor``), or, once that node has been
+evicted too, that node's own entry (``parent``). So the host side is a forest of entries whose roots
+hang from device nodes, exactly the shape of HiCache's host-only tree nodes, kept beside SGLang's tree
+instead of inside it (SGLang's in-tree host nodes come with its CUDA cache controller, which cannot
+run on CPU).
+
+Load-back runs when the scheduler matches a request for a batch (``AgentRadixCache.match_prefix``):
+from the end of the device match, the longest chain of entries that continues the request's key is
+copied back into fresh slots and re-inserted with each entry's state, and the match is taken again.
+Entries hang from device nodes on the matched path (usually its last node; an ancestor when another
+request re-created part of the entry's tokens on the device since), so a chain is found with a few
+dictionary lookups and token comparisons, never a scan of the tier.
+
+Capacity is the host tier's, shared with paused branches' copies (one byte budget per server,
+``AGENTCACHE_HOST_TOKENS``). When a copy needs room, host *leaves* (entries nothing hangs from) are
+dropped least recently used first: dropping an inner entry would strand the entries below it. A
+branch's entries go when the branch closes (every tier), a namespace's when it is purged, all of
+them with the tree on a reset. Every decision depends on tree state and a step counter, never a
+clock, so every TP rank takes the same ones; a copy that fails falls back to plain eviction (spill)
+or to recompute (load-back), counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+from sgl_agentcache.lifecycle import BranchKey, NodeState
+from sgl_agentcache.server.host_tier import HostTier, TransferError, nbytes_of
+
+logger = logging.getLogger(__name__)
+FULL = ComponentType.FULL
+
+#: "1": device evictions are spilled to the host tier and loaded back on a later match.
+HOST_SPILL_ENV = "AGENTCACHE_HOST_SPILL"
+
+
+@dataclass(eq=False)
+class SpillEntry:
+    """One evicted node on host: its tokens continue ``anchor`` (a device node) or ``parent``."""
+
+    tokens: array  # the node's key tokens (array('q'))
+    extra_key: str | None
+    cache_salt: str | None
+    state: NodeState  # class and owner when it left the device (never terminated)
+    kv: Any = field(repr=False)  # the allocator's CPU copy
+    nbytes: int = 0
+    anchor: Any = None  # the device node it continues, when it hangs from the device
+    parent: "SpillEntry | None" = None  # the entry it continues, when its anchor was evicted too
+    children: list = field(default_factory=list, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class SpillTier:
+    """Spilled nodes of one cache (see the module docstring). Owned by the scheduler thread."""
+
+    def __init__(self, cache, host: HostTier, enabled: bool):
+        self.cache = cache
+        self.host = host
+        self.enabled = enabled
+        self.by_anchor: dict[Any, list[SpillEntry]] = {}  # device node -> entries hanging from it
+        self.lru: OrderedDict[SpillEntry, None] = OrderedDict()  # every entry, least recently used first
+        self.by_owner: dict[BranchKey, set[SpillEntry]] = {}
+        self.tokens = 0
+        self._spilled: dict[Any, SpillEntry] = {}  # node being evicted -> its new entry (see on_node_removed)
+        self._pinned: set[SpillEntry] = set()  # a chain being loaded back: never dropped for room
+        self.counters = {"spills": 0, "spilled_tokens": 0, "spill_refused_full": 0, "spill_failed": 0,
+                         "loads": 0, "loaded_tokens": 0, "load_failed": 0, "load_no_room": 0,
+                         "dropped_tokens": {"room": 0, "closed": 0, "orphaned": 0, "purged": 0}}
+        host.spill = self
+
+    # ---- device -> host ----
+
+    def spill(self, node) -> None:
+        """Stock eviction is about to take device leaf ``node``: copy it to host if there is room.
+        Terminated nodes (their branch ended) are never kept."""
+        state = node.agent
+        if not self.enabled or state.terminated:
+            return
+        n = len(node.key)
+        if n == 0 or not self.make_room(n):
+            self.counters["spill_refused_full"] += 1
+            return
+        try:
+            kv = self.host.copy_out(node.component_data[FULL].value)
+        except TransferError as exc:
+            self.counters["spill_failed"] += 1
+            logger.info("agentcache: spill of %d tokens failed, evicting without a host copy: %s", n, exc)
+            return
+        key = node.key
+        entry = SpillEntry(array("q", key.token_ids[:n]), key.extra_key, key.cache_salt, state, kv, nbytes_of(kv))
+        self._hang(entry, anchor=node.parent)
+        self._add(entry)
+        self._spilled[node] = entry
+        self.counters["spills"] += 1
+        self.counters["spilled_tokens"] += n
+
+    def on_node_removed(self, node) -> None:
+        """``node`` left the tree (tree-core hook). What hung from it hangs from its new entry if it was
+        just spilled, and is dropped otherwise (nothing on either tier continues it any more)."""
+        entry = self._spilled.pop(node, None)
+        orphans = self.by_anchor.pop(node, None)
+        if not orphans:
+            return
+        if entry is not None:
+            for child in orphans:
+                child.anchor, child.parent = None, entry
+            entry.children.extend(orphans)
+        else:
+            for child in orphans:
+                child.anchor = None
+                self._drop_tree(child, "orphaned")
+
+    def settle_eviction(self, node) -> None:
+        """After stock eviction of ``node``: if the node is still on the device after all (eviction did
+        not take it), its host copy is redundant and goes."""
+        entry = self._spilled.pop(node, None)
+        if entry is not None and node.component_data[FULL].value is not None:
+            self._drop_tree(entry, "orphaned")
+
+    # ---- host -> device ----
+
+    def load_back(self, key: RadixKey, last_device_node, device_prefix_len: int) -> int:
+        """Copy back the longest chain of entries continuing ``key`` past ``device_prefix_len`` (the
+        device match ending at ``last_device_node``) and insert it into the tree. Returns the tokens
+        that became device-resident past the old match (0: nothing found, no room, or a failed copy)."""
+        if not self.lru or device_prefix_len >= len(key):
+            return 0
+        chain, start, anchor = self._find_chain(key, last_device_node, device_prefix_len)
+        if not chain:
+            return 0
+        cache = self.cache
+        allocator = cache.token_to_kv_pool_allocator
+        n = sum(len(e) for e in chain)
+        self._pinned.update(chain)
+        lock = cache.lock(anchor.id)  # the prefix the chain continues must survive the eviction below
+        try:
+            short = n - allocator.available_size()
+            # Evict only if that makes room: an eviction that still leaves too little frees KV other
+            # requests may need and loads nothing (running requests hold the rest of the pool).
+            if 0 < short <= cache.evictable_size():
+                cache.evict(EvictParams(num_tokens=short))
+            new = allocator.alloc(n) if allocator.available_size() >= n else None
+        finally:
+            cache.unlock(lock)
+            self._pinned.difference_update(chain)
+        if new is None:
+            self.counters["load_no_room"] += 1
+            return 0
+        if any(e not in self.lru for e in chain) or anchor.component_data[FULL].value is None:
+            allocator.free(new)  # the eviction above dropped part of the chain (cannot happen: pinned)
+            self.counters["load_failed"] += 1
+            return 0
+        try:
+            offset = 0
+            for entry in chain:
+                self.host.copy_in(entry.kv, new[offset: offset + len(entry)])
+                offset += len(entry)
+        except TransferError as exc:
+            allocator.free(new)
+            self.counters["load_failed"] += 1
+            logger.info("agentcache: load-back of %d tokens failed, recomputing: %s", n, exc)
+            for entry in chain:  # a failed copy may have left the entry unreadable: drop it
+                self._drop_tree(entry, "orphaned")
+            return 0
+        self._insert_chain(key, chain, start, anchor, new)
+        self.counters["loads"] += 1
+        loaded = max(start + n - device_prefix_len, 0)
+        self.counters["loaded_tokens"] += loaded
+        return loaded
+
+    def _find_chain(self, key: RadixKey, last_device_node, device_prefix_len: int):
+        """The entries to load: the first hangs from a device node on the matched path and reaches past
+        the match; each next one is a child of the previous that continues the key, as long as the
+        previous matched the key entirely. Returns (chain, offset of the first, its anchor)."""
+        core = self.cache.tree_core
+        node = last_device_node
+        end = core.depth(node) + len(node.key) if node is not core.root_node else 0  # where its tokens end
+        while node is not None:
+            for entry in self.by_anchor.get(node, ()):
+                if entry.extra_key != key.extra_key or entry.cache_salt != key.cache_salt:
+                    continue
+                m = _common(entry.tokens, key, end)
+                if end + m > device_prefix_len and m > 0:
+                    return self._extend_chain(entry, m, key, end + len(entry)), end, node
+            if node is core.root_node:
+                break
+            end -= len(node.key)
+            node = node.parent
+        return [], 0, None
+
+    def _extend_chain(self, first: SpillEntry, matched: int, key: RadixKey, offset: int) -> list:
+        chain, entry = [first], first
+        while matched == len(entry) and offset < len(key):
+            best, best_m = None, 0
+            for child in entry.children:
+                m = _common(child.tokens, key, offset)
+                if m > best_m:
+                    best, best_m = child, m
+            if best is None:
+                break
+            chain.append(best)
+            entry, matched, offset = best, best_m, offset + len(best)
+        return chain
+
+    def _insert_chain(self, key: RadixKey, chain: list, start: int, anchor, new: torch.Tensor) -> None:
+        """Insert ``chain`` (loaded into ``new``) below ``anchor``, one insert per entry so each node
+        gets its entry's state; re-hang what hung from the entries on the nodes they became."""
+        cache, core = self.cache, self.cache.tree_core
+        path = array("q", key.token_ids[:start])
+        prefix = cache.path_device_indices(anchor.id)[:start]
+        value, offset = prefix.to(new.dtype), 0
+        for entry in chain:  # top-down: each leaves its parent's children while that list is intact
+            self._remove(entry)
+        for entry in chain:
+            path.extend(entry.tokens)
+            value = torch.cat([value, new[offset: offset + len(entry)]])
+            offset += len(entry)
+            core.insert_state = entry.state
+            try:
+                # A fresh array per insert: the tree's keys may be views of the buffer they were given.
+                result = cache.insert(InsertParams(key=RadixKey(array("q", path), entry.extra_key,
+                                                                cache_salt=entry.cache_salt),
+                                                   value=value, prev_prefix_len=len(path) - len(entry)))
+            finally:
+                core.insert_state = None
+            core.take_fresh()  # created nodes were born with the entry's state (insert_state)
+            node = core.node_by_id(result.last_device_node)
+            for child in entry.children:  # chain members already left this list
+                self._hang(child, anchor=node)
+            entry.children = []
+
+    # ---- bookkeeping ----
+
+    def _hang(self, entry: SpillEntry, anchor) -> None:
+        entry.anchor, entry.parent = anchor, None
+        self.by_anchor.setdefault(anchor, []).append(entry)
+
+    def _add(self, entry: SpillEntry) -> None:
+        self.lru[entry] = None
+        owner = entry.state.owner
+        if owner is not None:
+            self.by_owner.setdefault(owner, set()).add(entry)
+        self.tokens += len(entry)
+        self.host.charge(len(entry), entry.nbytes)
+
+    def _remove(self, entry: SpillEntry) -> None:
+        """Take ``entry`` off the tier (its children stay where they are; the caller re-hangs them)."""
+        del self.lru[entry]
+        owner = entry.state.owner
+        if owner is not None:
+            mine = self.by_owner.get(owner)
+            if mine is not None:
+                mine.discard(entry)
+                if not mine:
+                    del self.by_owner[owner]
+        if entry.anchor is not None:
+            siblings = self.by_anchor.get(entry.anchor)
+            if siblings is not None:
+                siblings.remove(entry)
+                if not siblings:
+                    del self.by_anchor[entry.anchor]
+        elif entry.parent is not None:
+            entry.parent.children.remove(entry)
+        entry.anchor = entry.parent = None
+        self.tokens -= len(entry)
+        self.host.release(len(entry), entry.nbytes)
+
+    def _drop_tree(self, entry: SpillEntry, reason: str) -> int:
+        """Drop ``entry`` and everything that hangs from it; returns the tokens freed."""
+        freed, stack = 0, [entry]
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            e.children = []
+            if e in self.lru:
+                self._remove(e)
+                freed += len(e)
+        self.counters["dropped_tokens"][reason] += freed
+        return freed
+
+    def make_room(self, n: int) -> bool:
+        """Free host room for ``n`` tokens by dropping host leaves, least recently used first (never a
+        chain being loaded back). False when even that leaves too little (paused branches' copies
+        hold the rest)."""
+        host = self.host
+        if n > host.capacity_tokens:
+            return False
+        while host.free_tokens() < n:
+            victim = next((e for e in self.lru if not e.children and e not in self._pinned), None)
+            if victim is None:
+                return False
+            self._drop_tree(victim, "room")
+        return True
+
+    def drop_owner(self, branch: BranchKey) -> int:
+        """``branch`` ended: its entries go, with whatever hangs from them (a closed branch's scratch is
+        freed on every tier). Returns host tokens freed."""
+        return sum(self._drop_tree(e, "closed") for e in list(self.by_owner.get(branch, ())) if e in self.lru)
+
+    def drop_salt(self, salt: str) -> int:
+        """Every entry of the namespaces salted ``salt`` (a tenant purge)."""
+        return sum(self._drop_tree(e, "purged") for e in list(self.lru) if e in self.lru and e.cache_salt == salt)
+
+    def reset(self) -> int:
+        """The tree was rebuilt empty: every entry hung from it."""
+        freed = self.tokens
+        for entry in list(self.lru):
+            self._remove(entry)
+        self.by_anchor.clear()
+        self._spilled.clear()
+        return freed
+
+    def stats(self) -> dict:
+        return {"enabled": self.enabled, "entries": len(self.lru), "tokens": self.tokens,
+                "anchors": len(self.by_anchor), **self.counters}
+
+
+def _common(entry_tokens: array, key: RadixKey, offset: int) -> int:
+    """How many of ``entry_tokens`` equal the key's tokens from ``offset`` on."""
+    key_tokens = key.token_ids  # may run past len(key): a RadixKey can be a view of a longer buffer
+    n = min(len(entry_tokens), len(key) - offset)
+    if n <= 0:
+        return 0
+    if entry_tokens[:n] == array("q", key_tokens[offset: offset + n]):
+        return n
+    i = 0
+    while i < n and entry_tokens[i] == key_tokens[offset + i]:
+        i += 1
+    return i
+
+
+__all__ = ["HOST_SPILL_ENV", "SpillEntry", "SpillTier"]

@@ -1,0 +1,221 @@
+"""The node spill (HiCache write-back semantics on our host tier), on the real cache offline.
+
+Stock eviction copies the evicted leaf to host; a later match of a request copies the chain that
+continues its key back, with the KV bytes it had, and the request hits it. The host tier's capacity is
+shared with paused branches' copies; host leaves go least recently used first; a closed branch's
+entries, a purged tenant's and everything on a reset go; a failed copy falls back to eviction
+(spill) or recompute (load-back); nothing leaks. Token ids stay below 512.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_agentcache.hints import lifecycle_envelope
+from sgl_agentcache.lifecycle import BranchKey, NodeClass, namespace_key
+from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+from sgl_agentcache.server.pauses import PauseAction
+from sgl_agentcache.server.spill import FULL
+
+
+def ids(start: int, n: int) -> list[int]:
+    assert 0 <= start and start + n <= 512
+    return list(range(start, start + n))
+
+
+def spill_driver(pool: int, host: int, page_size: int = 1) -> OfflineDriver:
+    cache = build_offline_cache(pool_tokens=pool, page_size=page_size, max_reqs=8)
+    cache.set_host_spill(True)
+    cache.pauses.host.capacity_tokens = host
+    return OfflineDriver(cache)
+
+
+def run(driver: OfflineDriver, rid: str, prompt: list[int], out=(1,), hint: dict | None = None):
+    req = driver.admit(rid, prompt, kv_hints=lifecycle_envelope(hint, message_id=rid) if hint else None)
+    cached = req.cached_tokens
+    driver.extend(req, list(out))
+    driver.finish(req)
+    return cached
+
+
+def assert_clean(driver: OfflineDriver) -> None:
+    report = driver.check()
+    assert report.ok, report.errors
+    assert driver.idle_free_tokens() == driver.pool_tokens
+
+
+def kv_of(cache, prompt: list[int]) -> torch.Tensor:
+    """The K values the tree holds for ``prompt`` (the tiny pool: one layer, one head, one dim)."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    with OfflineDriver(cache).activated():
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+        assert match.device_prefix_len == len(prompt)
+        slots = cache.path_device_indices(match.last_device_node)[: len(prompt)]
+    return cache.token_to_kv_pool_allocator.get_kvcache().k_buffer[0][slots].flatten().clone()
+
+
+def test_evicted_prefix_comes_back_from_host_with_its_bytes():
+    driver = spill_driver(pool=300, host=1000)
+    cache = driver.cache
+    prompt = ids(10, 200)
+    assert run(driver, "a", prompt, out=(5, 6)) == 0
+    kv = cache.token_to_kv_pool_allocator.get_kvcache()
+    with driver.activated():  # stamp recognisable KV into a's slots
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+        slots = cache.path_device_indices(match.last_device_node)[:200]
+        kv.k_buffer[0][slots] = torch.arange(200, dtype=kv.k_buffer[0].dtype).view(-1, 1, 1) + 0.5
+    before = kv_of(cache, prompt)
+    assert run(driver, "b", ids(300, 150)) == 0  # evicts a (LRU): spilled, not lost
+    assert cache.spill.tokens == 201 and cache.spill.counters["spills"] >= 1
+    assert_clean(driver)
+
+    c = driver.admit("c", prompt + [5, 6, 9])
+    assert c.cached_tokens == 201  # prompt + a's first output token, all loaded back
+    assert cache.spill.counters["loaded_tokens"] == 201
+    driver.extend(c, [1])
+    driver.finish(c)
+    assert torch.equal(kv_of(cache, prompt), before)
+    assert_clean(driver)
+
+
+def test_off_by_default_and_stock_eviction_then_loses_the_prefix():
+    cache = build_offline_cache(pool_tokens=300, page_size=1, max_reqs=8)
+    assert not cache.spill.enabled and cache.tree_core.node_removed is None
+    driver = OfflineDriver(cache)
+    run(driver, "a", ids(10, 200))
+    run(driver, "b", ids(300, 150))
+    assert cache.spill.tokens == 0 and cache.pauses.host.used_tokens == 0
+    assert run(driver, "c", ids(10, 200)) < 199
+    assert_clean(driver)
+
+
+def test_a_chain_evicted_leaf_first_loads_back_whole():
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    shared, tail_a, tail_b = ids(10, 100), ids(120, 60), ids(200, 60)
+    run(driver, "a", shared + tail_a)
+    run(driver, "b", shared + tail_b)  # the tree: shared -> (tail_a..., tail_b...)
+    run(driver, "flood", ids(300, 210))  # evicts both tails, then the shared prefix: a host tree
+    assert cache.spill.tokens >= 100 + 60
+    assert_clean(driver)
+    assert run(driver, "a2", shared + tail_a + [7]) == 160  # the prefix and tail_a, from two entries
+    assert run(driver, "b2", shared + tail_b + [7]) == 160  # its tail hung from the loaded prefix
+    assert_clean(driver)
+
+
+def test_entry_hanging_from_an_ancestor_of_the_match_is_found():
+    """Part of a spilled node's tokens re-created on the device by another request: the entry hangs
+    from an ancestor of the node the match ends at, and still loads."""
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    root_part, spilled = ids(10, 50), ids(100, 100)
+    run(driver, "a", root_part + spilled)
+    run(driver, "flood", ids(300, 200))  # a's tail goes to host, hanging from root_part... or deeper
+    assert cache.spill.tokens > 0
+    run(driver, "partial", root_part + spilled[:30] + ids(400, 5))  # re-creates 30 of the spilled tokens
+    again = driver.admit("again", root_part + spilled + [9])
+    assert again.cached_tokens >= 150
+    driver.finish(again)
+    assert_clean(driver)
+
+
+def test_host_leaves_go_least_recently_used_first_and_pause_copies_push_them_out():
+    driver = spill_driver(pool=300, host=250)
+    cache = driver.cache
+    a, b, c = ids(0, 100), ids(100, 100), ids(200, 100)
+    for rid, prompt in (("a", a), ("b", b), ("c", c), ("d", ids(300, 100)), ("e", ids(400, 100))):
+        run(driver, rid, prompt)  # d evicts a, e evicts b: both on host (200 of 250)
+    assert cache.spill.tokens == 200
+    run(driver, "f", ids(0, 100)[::-1])  # evicts c: room for it is made by dropping a (the oldest)
+    assert cache.spill.counters["dropped_tokens"]["room"] == 100
+    assert run(driver, "b2", b + [7]) == 100  # b survived on host
+    assert run(driver, "a2", a) == 0
+    assert_clean(driver)
+    # A paused branch's offload needs room: spilled nodes make way for it.
+    branch = {"session": "s", "branch": "main"}
+    run(driver, "lead", ids(20, 100), hint=branch)
+    key = BranchKey(namespace_key(None, None), "s", "main")
+    with driver.activated():
+        result = cache.pauses.pause(key, force=PauseAction.OFFLOAD)
+    assert result["action"] == "offload"
+    assert cache.pauses.host.used_tokens <= cache.pauses.host.capacity_tokens
+    assert_clean(driver)
+
+
+def test_closing_a_branch_frees_its_spilled_nodes_and_terminated_nodes_never_spill():
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    hint = {"session": "s", "branch": "w1", "parent_branch": None}
+    del hint["parent_branch"]
+    run(driver, "w", ids(10, 150), hint=hint)
+    run(driver, "flood", ids(200, 200))
+    owner = BranchKey(namespace_key(None, None), "s", "w1")
+    assert cache.spill.by_owner.get(owner)
+    assert all(e.state.cls is NodeClass.SESSION for e in cache.spill.by_owner[owner])
+    with driver.activated():
+        closed = cache.close_branch(owner)
+    assert closed["host_freed_tokens"] >= 150
+    assert owner not in cache.spill.by_owner
+    assert_clean(driver)
+    # A closed branch's nodes are terminated: reclaimed, never copied to host.
+    run(driver, "w2", ids(10, 150), hint=hint | {"close": True})
+    spilled = cache.spill.counters["spilled_tokens"]
+    run(driver, "flood2", ids(300, 200))
+    assert cache.spill.counters["spilled_tokens"] - spilled <= 201  # only flood's own node
+    assert_clean(driver)
+
+
+def test_purge_and_reset_drop_host_entries():
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    req = driver.admit("t", ids(10, 150), cache_salt="agentcache:acme:x")
+    driver.extend(req, [1])
+    driver.finish(req)
+    run(driver, "flood", ids(200, 200))
+    assert cache.spill.tokens > 0
+    with driver.activated():
+        cache.purge_salt("agentcache:acme:x")
+    assert all(e.cache_salt != "agentcache:acme:x" for e in cache.spill.lru)
+    run(driver, "again", ids(10, 150))
+    run(driver, "flood2", ids(300, 190))
+    assert cache.spill.tokens > 0
+    driver.flush_cache()
+    assert cache.spill.tokens == 0 and cache.pauses.host.used_tokens == 0
+    assert_clean(driver)
+
+
+def test_failed_copies_fall_back_to_eviction_and_recompute():
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    run(driver, "a", ids(10, 200))
+    cache.pauses.host.fail_next("demote", 1)
+    run(driver, "b", ids(300, 150))  # the spill fails: plain eviction
+    assert cache.spill.counters["spill_failed"] > 0 and cache.spill.tokens == 0
+    assert_clean(driver)
+    run(driver, "c", ids(10, 200))
+    run(driver, "d", ids(300, 150))  # c goes to host now
+    assert cache.spill.tokens > 0
+    cache.pauses.host.fail_next("promote", 1)
+    assert run(driver, "e", ids(10, 200)) == 0  # the load fails: recompute
+    assert cache.spill.counters["load_failed"] == 1
+    assert_clean(driver)
+
+
+def test_paged_pool_spills_and_loads_whole_pages():
+    driver = spill_driver(pool=320, host=2000, page_size=4)
+    cache = driver.cache
+    run(driver, "a", ids(10, 200))
+    run(driver, "b", ids(300, 160))
+    assert cache.spill.tokens > 0 and all(len(e) % 4 == 0 for e in cache.spill.lru)
+    assert run(driver, "c", ids(10, 200) + [3]) == 200
+    assert_clean(driver)
+    assert all(n.component_data[FULL].value is None or len(n.key) % 4 == 0 for n in cache.tree_core.all_nodes()[1:])
