@@ -249,12 +249,15 @@ class _Branch:
 
 def import_weka(source, *, tenant: str = "default", block_tokens: int | None = None, stagger_s: float = 0.0,
                 detect_edits: bool = True, name: str | None = None) -> Trace:
-    """Import Weka-style trace(s): a dict, a list of dicts, or a ``.json`` / ``.jsonl`` file of them.
+    """Import Weka-style trace(s): a dict, a ``.json`` / ``.jsonl`` file of them (``.gz`` too), or a list
+    of dicts and files.
 
     Several traces become several sessions, the k-th shifted by ``k * stagger_s`` seconds; all must
     share one ``block_size``, which is the header's ``block_tokens`` unless ``block_tokens`` re-blocks.
     """
     where = str(source) if isinstance(source, (str, Path)) else "<weka>"
+    if isinstance(source, (list, tuple)) and source and all(isinstance(x, (str, Path)) for x in source):
+        where = ", ".join(str(x) for x in source)
     traces = _weka_objects(source)
     if not traces:
         raise TraceError(f"{where}: no traces")
@@ -283,7 +286,7 @@ def _weka_objects(source) -> list:
             return [_decode(line, f"{path} line {n}") for n, line in lines if line.strip()]
         obj = _decode(data, str(path))
         return obj if isinstance(obj, list) else [obj]
-    return list(source)
+    return [obj for item in source for obj in (_weka_objects(item) if isinstance(item, (str, Path)) else [item])]
 
 
 def _stable_tokens(obj: Mapping, where: str) -> int:
