@@ -38,9 +38,42 @@ def _trace_import(args: argparse.Namespace) -> int:
     from sgl_agentcache.trace.schema import save
     from sgl_agentcache.trace.stats import stats_line, trace_stats
 
-    trace = (import_weka if args.format == "weka" else import_mooncake)(args.src)
+    if args.format == "weka":
+        trace = import_weka(args.src)
+    else:
+        trace = import_mooncake(args.src, min_shared_blocks=args.min_shared_blocks)
     save(trace, args.out)
     print(f"{args.out}: {stats_line(trace_stats(trace))}")
+    return 0
+
+
+def _trace_fetch_free(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sgl_agentcache.trace.samples import SAMPLES, default_root, real_trace_samples, sources_text, summary_table
+    from sgl_agentcache.trace.schema import save
+    from sgl_agentcache.trace.stats import stats_line, trace_stats
+
+    root = Path(args.root) if args.root else default_root()
+    if not (args.list or args.out):
+        print("Public agent traces. This command downloads nothing (it assumes no network, as in CI):")
+        print("fetch them yourself from these sources, then convert them with `sgl-agentcache trace import`.\n")
+        print(sources_text())
+        print(f"\nSamples committed in this repository ({root}), imported by sgl_agentcache.trace.samples:")
+        for sample in SAMPLES.values():
+            print(f"- {sample.name}: {sample.about}")
+        print("\n`--list` imports them and prints their statistics; `--out DIR` writes them as v1 traces.")
+        return 0
+    traces = real_trace_samples(root)
+    if args.list:
+        print(summary_table(traces))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, trace in traces.items():
+            path = out / f"{name}.{args.format}"
+            save(trace, path)
+            print(f"{path}: {stats_line(trace_stats(trace))}")
     return 0
 
 
@@ -120,9 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_trace_gen)
     imp = trace.add_parser("import", help="convert a public agent trace (Weka-style or Mooncake) to ours")
     imp.add_argument("format", choices=["weka", "mooncake"])
-    imp.add_argument("src")
+    imp.add_argument("src", help="source file (.json/.jsonl, optionally .gz)")
     imp.add_argument("out")
+    imp.add_argument("--min-shared-blocks", type=int, default=1,
+                     help="mooncake: blocks a row must share with a session's latest request to continue it "
+                          "(2 for FAST'25 conversation_trace, whose rows all start with one shared block)")
     imp.set_defaults(func=_trace_import)
+    free = trace.add_parser(
+        "fetch-free", help="where to get public agent traces (no download); list or write the committed samples")
+    free.add_argument("--list", action="store_true", help="import the committed samples and print their statistics")
+    free.add_argument("--out", help="write each committed sample, imported, as a v1 trace into this directory")
+    free.add_argument("--format", choices=["jsonl", "msgpack"], default="jsonl", help="file format for --out")
+    free.add_argument("--root", help="where the samples are (default: bench/traces of this source checkout, "
+                                     "or $SGL_AGENTCACHE_TRACES)")
+    free.set_defaults(func=_trace_fetch_free)
     st = trace.add_parser("stats", help="print a trace's statistics as JSON")
     st.add_argument("file")
     st.set_defaults(func=_trace_stats)

@@ -279,7 +279,14 @@ OPUS, HAIKU = "claude-opus-4-5-20251101", "claude-haiku-4-5-20251001"
 
 
 def _weka() -> dict:
-    """A miniature Claude Code trace: tool rounds, a subagent with a failed nested subagent, a compaction."""
+    """A miniature Claude Code trace in the kv-cache-tester schema, two levels of subagents deep.
+
+    Times as the schema has them: a call's ``t`` counts from the start of the agent that holds it; a
+    subagent entry's ``t`` is when it finished, in its parent's frame, ``duration_ms`` after its start.
+    Absolute (trace) times the importer must produce: main calls at 0, 3, 16, 40 s; m1 (a ``Task`` call,
+    ends at 4 s) spawns Explore A and general-purpose C, both starting at 4.5 s (A runs 10 s, C 6 s); A's
+    calls at 4.5, 6.5 and 11.5 s, its second (ends at 7 s) spawning B, which starts at 7.5 s (A's frame:
+    t 6.0 - 3.0 s), runs 3 s with calls at 7.5 and 9.5 s, and fails."""
     return {
         "id": "cc-7f3a9e", "models": [OPUS, HAIKU], "block_size": 64, "hash_id_scope": "local",
         "system_tokens": 100, "tool_tokens": 28,
@@ -287,51 +294,77 @@ def _weka() -> dict:
             {"t": 0.0, "type": "s", "model": OPUS, "in": 150, "out": 40, "hash_ids": [1, 2, 3],
              "input_types": ["text"], "output_types": ["tool_use"], "stop": "tool_use", "api_time": 2.0,
              "think_time": 0.0, "ttft": 0.8},
-            {"t": 2.5, "type": "n", "model": OPUS, "in": 230, "out": 60, "hash_ids": [1, 2, 4, 5],
-             "stop": "tool_use", "api_time": 1.5, "think_time": 0.2},
-            {"t": 4.5, "type": "subagent", "agent_id": "agent_001", "subagent_type": "Explore",
-             "status": "completed", "duration_ms": 6000, "total_tokens": 410, "tool_use_count": 2,
+            {"t": 3.0, "type": "n", "model": OPUS, "in": 230, "out": 60, "hash_ids": [1, 2, 4, 5],
+             "stop": "tool_use", "api_time": 1.0, "think_time": 1.0},
+            {"t": 10.5, "type": "subagent", "agent_id": "agent_003", "subagent_type": "general-purpose",
+             "status": "completed", "duration_ms": 6000, "models": [HAIKU], "system_tokens": 32,
+             "requests": [
+                 {"t": 0.0, "type": "n", "model": HAIKU, "in": 80, "out": 20, "hash_ids": [70, 71],
+                  "stop": "end_turn", "api_time": 1.0, "think_time": 0.0}]},
+            {"t": 14.5, "type": "subagent", "agent_id": "agent_001", "subagent_type": "Explore",
+             "status": "completed", "duration_ms": 10000, "total_tokens": 410, "tool_use_count": 2,
              "models": [HAIKU], "system_tokens": 64, "tool_tokens": 0, "requests": [
-                 {"t": 4.6, "type": "n", "model": HAIKU, "in": 100, "out": 30, "hash_ids": [50, 51],
+                 {"t": 0.0, "type": "n", "model": HAIKU, "in": 100, "out": 30, "hash_ids": [50, 51],
                   "stop": "tool_use", "api_time": 1.0, "think_time": 0.0},
-                 {"t": 6.0, "type": "n", "model": HAIKU, "in": 180, "out": 50, "hash_ids": [50, 52, 53],
-                  "stop": "end_turn", "api_time": 1.2, "think_time": 0.1},
-                 {"t": 7.5, "type": "subagent", "agent_id": "agent_002", "subagent_type": "general-purpose",
-                  "status": "failed", "duration_ms": 1500, "models": [HAIKU], "requests": [
-                      {"t": 7.6, "type": "n", "model": HAIKU, "in": 70, "out": 10, "hash_ids": [60, 61],
+                 {"t": 2.0, "type": "n", "model": HAIKU, "in": 180, "out": 50, "hash_ids": [50, 52, 53],
+                  "stop": "tool_use", "api_time": 0.5, "think_time": 1.0},
+                 {"t": 6.0, "type": "subagent", "agent_id": "agent_002", "subagent_type": "general-purpose",
+                  "status": "failed", "duration_ms": 3000, "models": [HAIKU], "requests": [
+                      {"t": 0.0, "type": "n", "model": HAIKU, "in": 70, "out": 10, "hash_ids": [60, 61],
+                       "stop": "tool_use", "api_time": 1.0},
+                      {"t": 2.0, "type": "n", "model": HAIKU, "in": 90, "out": 10, "hash_ids": [60, 62],
                        "stop": "tool_use", "api_time": 0.5}]},
+                 {"t": 7.0, "type": "n", "model": HAIKU, "in": 200, "out": 80, "hash_ids": [50, 52, 53, 54],
+                  "stop": "end_turn", "api_time": 2.0, "think_time": 4.5},
              ]},
-            {"t": 11.0, "type": "n", "model": OPUS, "in": 420, "out": 80, "hash_ids": [1, 2, 4, 6, 7, 8, 9],
-             "stop": "end_turn", "api_time": 3.0, "think_time": 0.0},
+            {"t": 16.0, "type": "n", "model": OPUS, "in": 420, "out": 80, "hash_ids": [1, 2, 4, 6, 7, 8, 9],
+             "stop": "end_turn", "api_time": 2.0, "think_time": 12.0},
             {"t": 40.0, "type": "n", "model": OPUS, "input_length": 300, "output_length": 20,
-             "hash_ids": [1, 2, 10, 11, 12], "stop": "end_turn", "api_time": 1.0, "think_time": 25.0},
+             "hash_ids": [1, 2, 10, 11, 12], "stop": "end_turn", "api_time": 1.0, "think_time": 22.0},
         ],
     }
 
 
-def test_import_weka_maps_agents_tools_and_ends(tmp_path):
+def test_import_weka_nested_subagent_times_are_absolute(tmp_path):
+    """Acceptance test of issue 18: nested subagent times (two levels), lineage, tool and think time,
+    ends. Before the fix every subagent ran at t=0 and every tool lasted 0 s."""
     path = tmp_path / "cc.json"
     path.write_text(json.dumps(_weka()))
     trace = import_weka(path)
     assert trace.header.block_tokens == 64 and trace.header.name == "cc-7f3a9e"
     calls = _by_branch(trace)
-    main = calls[("default", "cc-7f3a9e", "main")]
-    explore = calls[("default", "cc-7f3a9e", "sa-agent_001")]
-    nested = calls[("default", "cc-7f3a9e", "sa-agent_002")]
-    assert [len(main), len(explore), len(nested)] == [4, 2, 1]
-    assert all(r.parent_branch == "sa-agent_001" for r in nested) and explore[0].parent_branch == "main"
-    assert main[0].tool.tool_class == "tool" and main[0].tool.duration_s == pytest.approx(0.3)
-    assert main[0].think_s == 0.2
-    assert main[1].tool.tool_class == "subagent" and main[1].tool.duration_s == pytest.approx(7.0)
-    assert main[2].tool is None and main[2].think_s == pytest.approx(26.0)
+    branch = {name: calls[("default", "cc-7f3a9e", name)] for name in ("main", "sa-agent_001", "sa-agent_002",
+                                                                        "sa-agent_003")}
+    main, explore, nested, parallel = branch.values()
+    assert {name: [r.t for r in rs] for name, rs in branch.items()} == {
+        "main": [0.0, 3.0, 16.0, 40.0], "sa-agent_001": [4.5, 6.5, 11.5], "sa-agent_002": [7.5, 9.5],
+        "sa-agent_003": [4.5]}
+    assert {name: {r.parent_branch for r in rs} for name, rs in branch.items()} == {
+        "main": {None}, "sa-agent_001": {"main"}, "sa-agent_002": {"sa-agent_001"}, "sa-agent_003": {"main"}}
+    tools = {r.id: (r.tool and (r.tool.tool_class, r.tool.duration_s), r.think_s) for r in trace.requests}
+    assert tools == {
+        "cc-7f3a9e.main.0": (("tool", 1.0), 0.0),  # ends at 2 s, next call at 3 s
+        "cc-7f3a9e.main.1": (("subagent", 12.0), 0.0),  # the Task call: ends at 4 s, main resumes at 16 s
+        "cc-7f3a9e.main.2": (None, 22.0),  # end_turn: the user's turn, 18 -> 40 s
+        "cc-7f3a9e.main.3": (None, 0.0),
+        "cc-7f3a9e.sa-agent_001.0": (("tool", 1.0), 0.0),
+        "cc-7f3a9e.sa-agent_001.1": (("subagent", 4.5), 0.0),  # spawns agent_002: 7 -> 11.5 s
+        "cc-7f3a9e.sa-agent_001.2": (None, 0.0),
+        "cc-7f3a9e.sa-agent_002.0": (("tool", 1.0), 0.0),
+        "cc-7f3a9e.sa-agent_002.1": (None, 0.0),  # its last call: nothing follows in its branch
+        "cc-7f3a9e.sa-agent_003.0": (None, 0.0)}
+    events = {(r.kind, r.branch): r.t for r in trace.records if isinstance(r, Event)}
+    assert events == {("abort", "sa-agent_002"): 10.5, ("close_branch", "sa-agent_003"): 10.5,
+                      ("close_branch", "sa-agent_001"): 14.5, ("close_session", "main"): 41.0}
+    assert [r.t for r in trace.records] == sorted(r.t for r in trace.records)
     assert main[1].blocks[:2] == main[0].blocks[:2] and main[1].blocks[2] != main[0].blocks[2]
     assert main[2].blocks[:3] == main[1].blocks[:3] and main[2].edit_from_tokens is None
     assert main[3].edit_from_tokens == 128  # compaction kept 2 of 6 full blocks
-    assert [c[0].stable_prefix_tokens for c in (main, explore, nested)] == [128, 64, 0]
-    events = [(r.kind, r.branch, r.t) for r in trace.records if isinstance(r, Event)]
-    assert events == [("abort", "sa-agent_002", 9.0), ("close_branch", "sa-agent_001", 10.5),
-                      ("close_session", "main", 41.0)]
-    assert trace_stats(trace)["forks"] == 2
+    assert [c[0].stable_prefix_tokens for c in (main, explore, nested, parallel)] == [128, 64, 0, 32]
+    stats = trace_stats(trace)
+    assert stats["forks"] == 3 and stats["aborts"] == 1 and stats["close_branch_events"] == 2
+    assert stats["tools"]["tool"]["count"] == 3 and stats["tools"]["tool"]["p50_s"] == 1.0
+    assert stats["tools"]["subagent"]["count"] == 2 and stats["tools"]["subagent"]["max_s"] == 12.0
     assert load_round_trip(trace, tmp_path) == trace
 
 
@@ -360,25 +393,40 @@ def test_import_weka_reblocks_and_scopes(tmp_path):
 
 def test_import_weka_edge_cases():
     """An empty subagent passes its nested children to the enclosing agent; an async subagent without
-    telemetry closes after its last call; a child that starts before its parent's first call is
-    imported as an independent branch."""
+    telemetry (no ``duration_ms``) starts at its ``t`` and closes after its last call; a subagent that
+    starts before its parent's first call is imported as an independent branch."""
     leaf = {"type": "n", "model": OPUS, "in": 64, "out": 1, "hash_ids": [1], "api_time": 0.5}
     obj = {"id": "edge", "block_size": 64, "requests": [
+        {"t": 0.6, "type": "subagent", "agent_id": "early", "subagent_type": "x", "status": "cancelled",
+         "duration_ms": 500, "models": [], "requests": [{**leaf, "t": 0.0, "hash_ids": [8]}]},
         {**leaf, "t": 1.0},
         {"t": 2.0, "type": "subagent", "agent_id": "empty", "subagent_type": "x", "status": "completed",
          "models": [], "requests": [
              {"t": 2.0, "type": "subagent", "agent_id": "inner", "subagent_type": "x",
               "status": "async_launched", "duration_ms": None, "models": [],
               "requests": [{**leaf, "t": 3.0, "hash_ids": [7]}]}]},
-        {"t": 4.0, "type": "subagent", "agent_id": "early", "subagent_type": "x", "status": "cancelled",
-         "duration_ms": 100, "models": [], "requests": [{**leaf, "t": 0.5, "hash_ids": [8]}]},
     ]}
     trace = import_weka(obj)
     parents = {r.branch: r.parent_branch for r in trace.requests}
     assert parents == {"main": None, "sa-inner": "main", "sa-early": None}
+    assert {r.branch: r.t for r in trace.requests} == {"sa-early": 0.1, "main": 1.0, "sa-inner": 7.0}
     events = {(r.kind, r.branch): r.t for r in trace.records if isinstance(r, Event)}
-    assert events == {("close_branch", "sa-inner"): 3.5, ("abort", "sa-early"): 4.1,
-                      ("close_session", "main"): 4.1}
+    assert events == {("abort", "sa-early"): 0.6, ("close_branch", "sa-inner"): 7.5,
+                      ("close_session", "main"): 7.5}
+
+
+def test_import_weka_reads_gzip(tmp_path):
+    import gzip
+
+    path = tmp_path / "cc.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(_weka()).encode()))
+    assert import_weka(path).records == import_weka(_weka()).records
+    lines = tmp_path / "cc.jsonl.gz"
+    lines.write_bytes(gzip.compress((json.dumps(_weka()) + "\n" + json.dumps(dict(_weka(), id="b"))).encode()))
+    assert trace_stats(import_weka(lines))["sessions"] == 2
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(TraceError, match="bad.json.gz: not a readable gzip file"):
+        import_weka(tmp_path / "bad.json.gz")
 
 
 def test_import_weka_pads_short_hash_lists():
@@ -392,10 +440,12 @@ def test_import_weka_pads_short_hash_lists():
 @pytest.mark.parametrize("mutate, where", [
     (lambda o: o["requests"][1].pop("in"), "requests[1]"),
     (lambda o: o["requests"][0].__setitem__("t", -1.0), "requests[0]"),
-    (lambda o: o["requests"][2]["requests"][0].__setitem__("out", "30"), "requests[2].requests[0]"),
-    (lambda o: o["requests"][2]["requests"][2]["requests"][0].__setitem__("hash_ids", [1, -2]),
-     "requests[2].requests[2].requests[0]"),
-    (lambda o: o["requests"][3].__setitem__("type", "x"), "requests[3]"),
+    (lambda o: o["requests"][3]["requests"][0].__setitem__("out", "30"), "requests[3].requests[0]"),
+    (lambda o: o["requests"][3]["requests"][2]["requests"][0].__setitem__("hash_ids", [1, -2]),
+     "requests[3].requests[2].requests[0]"),
+    (lambda o: o["requests"][3]["requests"][2].__setitem__("duration_ms", -1), "requests[3].requests[2]"),
+    (lambda o: o["requests"][1].__setitem__("think_time", "1"), "requests[1]"),
+    (lambda o: o["requests"][4].__setitem__("type", "x"), "requests[4]"),
     (lambda o: o["requests"][2].pop("agent_id"), "requests[2]"),
     (lambda o: o.__setitem__("block_size", "64"), "block_size"),
     (lambda o: o.__setitem__("hash_id_scope", "galaxy"), "hash_id_scope"),

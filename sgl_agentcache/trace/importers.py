@@ -2,20 +2,36 @@
 
 **Weka-style Claude Code traces** (SemiAnalysis ``cc-traces-weka``, the kv-cache-tester / aiperf
 schema): one JSON object per trace, ``{id, block_size, hash_id_scope, system_tokens, tool_tokens,
-requests[]}``. A leaf (``type`` ``"n"`` or ``"s"``) has ``t`` (seconds from the trace start),
-``in``/``input_length``, ``out``/``output_length``, ``hash_ids``, ``api_time`` (server seconds),
-``think_time`` (client seconds before this request), ``stop``, ``model``...; a ``type: "subagent"``
-entry has ``agent_id, subagent_type, status, duration_ms, requests[]`` (nested to any depth). Mapping:
+requests[]}``. A call (``type`` ``"n"`` or ``"s"``) has ``t`` (its arrival), ``in``/``input_length``,
+``out``/``output_length``, ``hash_ids``, ``api_time`` (server seconds), ``think_time`` (the whole gap
+since the previous call ended, rounded), ``stop``, ``model``...; a ``type: "subagent"`` entry has
+``agent_id, subagent_type, status, duration_ms, requests[]`` (nested to any depth).
+
+Time basis (verified on the kv-cache-tester sample, ``bench/traces/kv-cache-tester/README.md``): every
+``t`` counts from the start of the agent whose ``requests`` list holds it. A subagent entry's own ``t`` is
+when it *finished*, in its parent's frame, and it starts ``duration_ms`` earlier: there its calls' ``t``
+count from 0. (All seven subagents of the sample start 0.2-1.0 s after the parent call that stopped for
+``tool_use`` -- the ``Task`` call -- their calls fit in ``[0, duration]``, the entry sits among the
+parent's calls sorted by that ``t``, and the parent's next call comes after it; parallel subagents share
+one start.) So a subagent's absolute start is ``parent start + t - duration_ms / 1000`` (clamped at the
+parent's start), recursively; without ``duration_ms`` (an async launch) ``t`` is taken as its start.
+
+Mapping:
 
 - a trace is a session; the top level is branch ``main``; a subagent is branch ``sa-<agent_id>`` forked
-  from the enclosing agent's branch (``parent_branch`` on all its calls);
-- between consecutive calls of a branch, the gap after the earlier call's ``api_time`` minus the later
-  call's ``think_time`` is a tool call (class ``subagent`` when a subagent marker sits between them, else
-  ``tool``) if the earlier call stopped for ``tool_use`` or spawned a subagent; otherwise all of it is
-  think time;
-- a subagent ends at ``t + duration_ms`` (at least its last call): a ``close_branch`` event, or an
-  ``abort`` event when its status is failed, cancelled, error, killed, interrupted or timed out; the
-  session ends with a ``close_session`` event after its last call;
+  from the enclosing agent's branch (``parent_branch`` on all its calls), spawned by that branch's last
+  call that arrived at or before the subagent's start;
+- the gap between a call's end (``t + api_time``) and the branch's next call is split by what ended the
+  call. After ``stop == "tool_use"`` the harness runs the tool and sends the result back on its own, so
+  the whole gap is one tool call (class ``subagent`` if the call spawned one, else ``tool``). The
+  client's own turnaround (0.2-1.0 s, the spawn delays above) is inside it, below the 1-s resolution of
+  the calls' ``t``; a permission prompt a user answers also hides there and cannot be told apart. After
+  any other stop (``end_turn``...) the model handed the turn to the user, so the whole gap is think time.
+  ``think_time`` is not used to split: it is that same whole gap, which is why reading it as think time
+  left every tool at 0 s;
+- a subagent ends at its start plus ``duration_ms`` (at least its last call's end): a ``close_branch``
+  event, or an ``abort`` event when its status is failed, cancelled, error, killed, interrupted or timed
+  out; the session ends with a ``close_session`` event when its last branch ends;
 - ``system_tokens + tool_tokens`` (of the trace or of the subagent) is ``stable_prefix_tokens``;
 - with ``detect_edits``, a call that keeps some but not all full blocks of the branch's previous call to
   the same model is a context edit (Claude Code's compaction): ``edit_from_tokens`` is the shared part.
@@ -36,11 +52,14 @@ request-unique ids (too many: truncated); the header's ``source`` counts these f
 other than the source block size re-blocks: a target block's id hashes the chain of target ids before it
 with the source ids it overlaps, so equal source prefixes still give equal target prefixes.
 
+A file whose name ends in ``.gz`` is decompressed first (``trace.json.gz``, ``rows.jsonl.gz``).
 Malformed input raises :class:`TraceError` naming the record (``requests[3].requests[0]``, ``row 17``).
 """
 
 from __future__ import annotations
 
+import bisect
+import gzip
 import hashlib
 import json
 import math
@@ -156,6 +175,17 @@ def _hash_ids(obj: Mapping, where: str) -> list[int]:
     return value
 
 
+def _read(path: Path) -> tuple[bytes, str]:
+    """A file's bytes (gunzipped for ``.gz``) and the suffix that tells its format (``.jsonl``...)."""
+    data = path.read_bytes()
+    if path.suffix != ".gz":
+        return data, path.suffix
+    try:
+        return gzip.decompress(data), Path(path.stem).suffix
+    except (OSError, EOFError) as exc:
+        raise TraceError(f"{path}: not a readable gzip file: {exc}") from None
+
+
 def _decode(data: bytes, where: str):
     try:
         return msgspec.json.decode(data)
@@ -196,15 +226,14 @@ class _Records:
 
 @dataclass
 class _Leaf:
-    t: float
+    t: float  # absolute: seconds from the trace start
     input_tokens: int
     output_tokens: int
     hash_ids: list[int]
     api_s: float
-    think_s: float
     model: str
     tool_use: bool  # stopped for a tool
-    spawns: bool = False  # a subagent marker follows it in its branch
+    spawns: bool = False  # the tool it stopped for started a subagent
 
 
 @dataclass
@@ -213,18 +242,22 @@ class _Branch:
     parent: _Branch | None
     stable: int
     status: str = "completed"
-    end_t: float = 0.0
+    end_t: float = 0.0  # absolute, from duration_ms (0 for the top level)
     leaves: list[_Leaf] = field(default_factory=list)
+    spawn_starts: list[float] = field(default_factory=list)  # absolute starts of its subagents
 
 
 def import_weka(source, *, tenant: str = "default", block_tokens: int | None = None, stagger_s: float = 0.0,
                 detect_edits: bool = True, name: str | None = None) -> Trace:
-    """Import Weka-style trace(s): a dict, a list of dicts, or a ``.json`` / ``.jsonl`` file of them.
+    """Import Weka-style trace(s): a dict, a ``.json`` / ``.jsonl`` file of them (``.gz`` too), or a list
+    of dicts and files.
 
     Several traces become several sessions, the k-th shifted by ``k * stagger_s`` seconds; all must
     share one ``block_size``, which is the header's ``block_tokens`` unless ``block_tokens`` re-blocks.
     """
     where = str(source) if isinstance(source, (str, Path)) else "<weka>"
+    if isinstance(source, (list, tuple)) and source and all(isinstance(x, (str, Path)) for x in source):
+        where = ", ".join(str(x) for x in source)
     traces = _weka_objects(source)
     if not traces:
         raise TraceError(f"{where}: no traces")
@@ -247,13 +280,13 @@ def _weka_objects(source) -> list:
         return [source]
     if isinstance(source, (str, Path)):
         path = Path(source)
-        data = path.read_bytes()
-        if path.suffix == ".jsonl":
+        data, suffix = _read(path)
+        if suffix == ".jsonl":
             lines = enumerate(data.splitlines(), 1)
             return [_decode(line, f"{path} line {n}") for n, line in lines if line.strip()]
         obj = _decode(data, str(path))
         return obj if isinstance(obj, list) else [obj]
-    return list(source)
+    return [obj for item in source for obj in (_weka_objects(item) if isinstance(item, (str, Path)) else [item])]
 
 
 def _stable_tokens(obj: Mapping, where: str) -> int:
@@ -278,7 +311,7 @@ class _WekaImporter:
         if scope not in ("local", "global"):
             raise TraceError(f"{where}: hash_id_scope must be 'local' or 'global', got {scope!r}")
         branches = [_Branch("main", None, _stable_tokens(obj, where))]
-        self._walk(obj["requests"], branches[0], f"{where} requests", branches, {"main"})
+        self._walk(obj["requests"], branches[0], f"{where} requests", branches, {"main"}, base=0.0)
         session = _unique(_ident(obj["id"], 64), self.sessions)
         scope_key = f"{index}:{obj['id']}" if scope == "local" else ""
         ends = [self._branch(b, session, offset, scope_key) for b in branches if b.leaves]
@@ -286,7 +319,9 @@ class _WekaImporter:
             self.out.add(Event(t=max(ends), kind="close_session", tenant=self.tenant, session=session))
 
     def _walk(self, entries: list, branch: _Branch, where: str, branches: list[_Branch],
-              names: set[str]) -> None:
+              names: set[str], base: float) -> None:
+        """Collect ``entries`` into ``branch`` (subagents into new branches); ``base`` is when the agent
+        that owns ``entries`` started, in seconds from the trace start: its entries' ``t`` count from it."""
         for i, entry in enumerate(entries):
             at = f"{where}[{i}]"
             if not isinstance(entry, Mapping):
@@ -296,21 +331,23 @@ class _WekaImporter:
                 agent = entry.get("agent_id")
                 if not isinstance(agent, (str, int)) or not isinstance(entry.get("requests"), list):
                     raise TraceError(f"{at}: a subagent needs 'agent_id' and a 'requests' list")
-                if branch.leaves:
-                    branch.leaves[-1].spawns = True
+                duration_s = _number(entry, ("duration_ms",), at, integer=False, required=False,
+                                     default=0.0) / 1000.0
+                # t is when it finished (module doc); microseconds: the sources give ms, sums must not drift
+                start = round(base + max(0.0, t - duration_s), 6)
                 child = _Branch(_unique(f"sa-{_ident(agent, 40)}", names), branch, _stable_tokens(entry, at),
-                                status=str(entry.get("status") or "completed").lower())
-                duration_ms = _number(entry, ("duration_ms",), at, integer=False, required=False, default=0.0)
-                child.end_t = t + duration_ms / 1000.0
+                                status=str(entry.get("status") or "completed").lower(),
+                                end_t=round(start + duration_s, 6))
+                branch.spawn_starts.append(start)
                 branches.append(child)
-                self._walk(entry["requests"], child, f"{at}.requests", branches, names)
+                self._walk(entry["requests"], child, f"{at}.requests", branches, names, base=start)
             elif entry.get("type", "n") in ("n", "s"):
+                _number(entry, ("think_time",), at, integer=False, required=False)  # checked, not used
                 branch.leaves.append(_Leaf(
-                    t=t, input_tokens=int(_number(entry, ("in", "input_length"), at, integer=True)),
+                    t=round(base + t, 6), input_tokens=int(_number(entry, ("in", "input_length"), at, integer=True)),
                     output_tokens=int(_number(entry, ("out", "output_length"), at, integer=True)),
                     hash_ids=_hash_ids(entry, at),
                     api_s=_number(entry, ("api_time",), at, integer=False, required=False, default=0.0),
-                    think_s=_number(entry, ("think_time",), at, integer=False, required=False, default=0.0),
                     model=str(entry.get("model", "")), tool_use=entry.get("stop") == "tool_use"))
             else:
                 raise TraceError(f"{at}: unknown entry type {entry.get('type')!r}")
@@ -318,6 +355,11 @@ class _WekaImporter:
     def _branch(self, branch: _Branch, session: str, offset: float, scope_key: str) -> float:
         """Emit the branch's calls and, for a subagent, its end event; return when the branch ended."""
         leaves = sorted(branch.leaves, key=lambda leaf: leaf.t)  # stable: recorded order on ties
+        arrivals = [leaf.t for leaf in leaves]
+        for start in branch.spawn_starts:  # the spawning call: the last one that arrived by the start
+            k = bisect.bisect_right(arrivals, start) - 1
+            if k >= 0:
+                leaves[k].spawns = True
         parent = branch.parent
         while parent is not None and not parent.leaves:
             parent = parent.parent
@@ -343,14 +385,16 @@ class _WekaImporter:
 
 
 def _gap(leaf: _Leaf, nxt: _Leaf | None) -> tuple[ToolCall | None, float]:
-    """Split the gap after ``leaf``'s service into a tool call and think time (see the module doc)."""
+    """The gap from ``leaf``'s end to the branch's next call: all tool time if ``leaf`` stopped for a tool
+    (or spawned a subagent), else all think time (why: the module doc)."""
     if nxt is None:
         return None, 0.0
-    gap = max(0.0, nxt.t - leaf.t - leaf.api_s)
-    if not (leaf.tool_use or leaf.spawns):
-        return None, gap
-    think = min(gap, nxt.think_s)
-    return ToolCall(tool_class="subagent" if leaf.spawns else "tool", duration_s=max(0.0, gap - think)), think
+    gap = max(0.0, nxt.t - leaf.t - leaf.api_s)  # 0 when rounding of t makes the next call look early
+    if leaf.spawns:
+        return ToolCall(tool_class="subagent", duration_s=gap), 0.0
+    if leaf.tool_use:
+        return ToolCall(tool_class="tool", duration_s=gap), 0.0
+    return None, gap
 
 
 def _edit_from(prev: _Leaf | None, leaf: _Leaf, source_tokens: int) -> int | None:
@@ -417,7 +461,7 @@ def import_mooncake(source, *, block_size: int = 512, block_tokens: int | None =
 
 def _mooncake_rows(source) -> Iterable[_Row]:
     if isinstance(source, (str, Path)):
-        lines = enumerate(Path(source).read_bytes().splitlines())
+        lines = enumerate(_read(Path(source))[0].splitlines())
         objs = ((n, _decode(line, f"mooncake row {n} ({source} line {n + 1})")) for n, line in lines
                 if line.strip())
     else:
