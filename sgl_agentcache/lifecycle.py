@@ -188,6 +188,37 @@ class RecentBranches:
         return iter(list(self._branches))
 
 
+def _escape(part: str | None) -> str:
+    return (part or "").replace("\\", "\\\\").replace("|", "\\|")
+
+
 def namespace_key(extra_key: str | None, cache_salt: str | None) -> str:
-    """The cache namespace of a tree path: SGLang's ``extra_key`` and ``cache_salt`` (either may be unset)."""
-    return f"{extra_key or ''}|{cache_salt or ''}"
+    """The cache namespace of a tree path: SGLang's ``extra_key`` and ``cache_salt`` (either may be unset).
+
+    Injective on what SGLang tells apart (it treats ``""`` as unset for both): the two parts are joined
+    by ``|`` after each has its ``\\`` and ``|`` escaped with a backslash, so ``("a|", "b")`` and
+    ``("a", "|b")`` are two namespaces. Parts without either character read as before (``"a|b"``;
+    ``"|"`` when both are unset). :func:`split_namespace` is the inverse.
+    """
+    return f"{_escape(extra_key)}|{_escape(cache_salt)}"
+
+
+def split_namespace(namespace: str) -> tuple[str | None, str | None]:
+    """``(extra_key, cache_salt)`` of a :func:`namespace_key` (unset parts are None); ``ValueError`` if
+    ``namespace`` is not one."""
+    parts, part, chars = [], [], iter(namespace)
+    for char in chars:
+        if char == "\\":
+            escaped = next(chars, None)
+            if escaped not in ("\\", "|"):
+                raise ValueError(f"not a namespace key: {namespace!r}")
+            part.append(escaped)
+        elif char == "|":
+            parts.append("".join(part))
+            part = []
+        else:
+            part.append(char)
+    parts.append("".join(part))
+    if len(parts) != 2:
+        raise ValueError(f"not a namespace key: {namespace!r}")
+    return parts[0] or None, parts[1] or None

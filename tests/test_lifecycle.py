@@ -15,6 +15,8 @@ from sgl_agentcache.lifecycle import (
     NodeState,
     RecentBranches,
     eviction_rank,
+    namespace_key,
+    split_namespace,
 )
 
 B = BranchKey("|", "s", "b")
@@ -100,3 +102,25 @@ def test_recent_branches_session_index_follows_the_set():
     assert len(recent.of_session("new")) == 3 and len(recent) == 3
     with pytest.raises(TypeError):
         RecentBranches().of_session("s")
+
+
+def test_namespace_keys_of_different_parts_never_collide():
+    """Tenancy off, a client picks both parts: ``("a|", "b")`` and ``("a", "|b")`` are two namespaces."""
+    assert namespace_key("a|", "b") != namespace_key("a", "|b")
+    assert namespace_key("a\\", "|b") != namespace_key("a", "\\|b")
+    assert namespace_key(None, None) == namespace_key("", "") == "|"  # SGLang reads "" as unset too
+    assert namespace_key("t1", None) == "t1|" and namespace_key(None, "agentcache:acme:b") == "|agentcache:acme:b"
+    for bad in ("", "a", "a|b|c", "a\\x|b", "a|b\\"):
+        with pytest.raises(ValueError):
+            split_namespace(bad)
+
+
+PART = st.none() | st.text(alphabet=st.sampled_from("ab|\\:"), max_size=6)
+
+
+@given(PART, PART, PART, PART)
+def test_namespace_key_is_injective_and_split_inverts_it(e1, s1, e2, s2):
+    key = namespace_key(e1, s1)
+    assert split_namespace(key) == (e1 or None, s1 or None)
+    if (e1 or None, s1 or None) != (e2 or None, s2 or None):
+        assert key != namespace_key(e2, s2)

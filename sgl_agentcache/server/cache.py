@@ -35,7 +35,8 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
-from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
+from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key,
+                                      split_namespace)
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
@@ -412,10 +413,9 @@ class AgentRadixCache(UnifiedRadixCache):
         in the tenant's own namespace as ordinary cache until evicted (purge again once the tenant is
         idle for a complete wipe). Deterministic on every rank: victims are ordered as in any reclaim.
         """
-        suffix = "|" + salt
         pauses = self.pauses
         branches = {b for b in (set(self.tree_core.owner_index) | set(self.seen) | set(pauses.host.entries)
-                                | set(pauses.records)) if b.namespace.endswith(suffix)}
+                                | set(pauses.records)) if split_namespace(b.namespace)[1] == salt}
         host_before = pauses.host.used_tokens
         freed = 0
         for branch in sorted(branches, key=lambda b: (b.namespace, b.session, b.branch)):
