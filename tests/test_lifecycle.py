@@ -124,3 +124,32 @@ def test_namespace_key_is_injective_and_split_inverts_it(e1, s1, e2, s2):
     assert split_namespace(key) == (e1 or None, s1 or None)
     if (e1 or None, s1 or None) != (e2 or None, s2 or None):
         assert key != namespace_key(e2, s2)
+
+
+def test_a_namespace_flood_forgets_only_its_own_branches():
+    """Tenants share the bounded sets: one flooding branch names must not push another's out."""
+    recent = RecentBranches(limit=8, namespace_limit=6)
+    victim = BranchKey("|agentcache:acme:b", "s", "main")
+    recent.add(victim)
+    flood = [BranchKey("|agentcache:globex:b", "s", f"b{i}") for i in range(50)]
+    for key in flood:
+        recent.add(key)
+    assert victim in recent  # over the total, the largest namespace (the flooder's) gave way
+    assert [k for k in recent if k.namespace == flood[0].namespace] == flood[-6:]  # its own bound, newest kept
+    for i in range(7):  # a second tenant grows past its fair share of the total: it gives way, not the victim
+        recent.add(BranchKey("t3|", "s", f"x{i}"))
+    assert victim in recent and len(recent) <= 8
+
+
+def test_a_branch_that_holds_tokens_is_never_forgotten():
+    holding = {BranchKey("|", "s", "lead")}
+    recent = RecentBranches(limit=4, by_session=True, retained=holding.__contains__)
+    lead = BranchKey("|", "s", "lead")
+    recent.add(lead)
+    for i in range(20):
+        recent.add(BranchKey("|", "s", f"w{i}"))
+    assert lead in recent and len(recent) == 4 and lead in recent.of_session("s")
+    holding.clear()  # its tokens are gone: now it may be forgotten like any other
+    for i in range(4):
+        recent.add(BranchKey("|", "s", f"v{i}"))
+    assert lead not in recent and lead not in recent.of_session("s")

@@ -239,9 +239,9 @@ class PauseCoordinator:
             return {"active_pauses": sum(k[0] == namespace for k in self.active),
                     "latency_models": {c: {"observations": m.observations, "p50_s": m.quantile(0.5),
                                            "p99_s": m.quantile(0.99)}
-                                       for (t, c), m in list(self.book._models.items()) if t == namespace}}
+                                       for (_, c), m in self.book.items(namespace)}}
         models = {f"{t}/{c}": {"observations": m.observations, "p50_s": m.quantile(0.5), "p99_s": m.quantile(0.99)}
-                  for (t, c), m in list(self.book._models.items())[-32:]}
+                  for (t, c), m in self.book.items()[-32:]}
         return {"active_pauses": len(self.active), **self.counters, "latency_models": models,
                 "prefetch_lead_median_s": statistics.median(self.leads) if self.leads else None,
                 "max_retention_s": self.max_retention_s, "event_log": self.events.path,
