@@ -47,7 +47,7 @@ class Trust:
     """Counters and the audit log of refused and clipped hints (HTTP process)."""
 
     def __init__(self, audit_path: str | None = None):
-        from sgl_agentcache.server.coordinator import EventLog
+        from sgl_agentcache.server.event_log import EventLog
 
         self.audit = EventLog(audit_path, kind_key="event")
         self.rejected: dict[str, int] = {}
@@ -86,7 +86,7 @@ class Trust:
     def stats(self) -> dict:
         return {"rejected": dict(self.rejected), "clipped": dict(self.clipped),
                 "namespace_overwritten": self.overwritten, "audit_log": self.audit.path,
-                "audit_events": self.audit.written}
+                "audit_events": self.audit.written, "audit_dropped": self.audit.dropped + self.audit.failed}
 
 
 trust = Trust(os.environ.get(AUDIT_LOG_ENV))

@@ -15,7 +15,8 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
   the last window falls below ``AGENTCACHE_PREFETCH_MIN_LEAD_MS`` prefetch is refused here (the
   scheduler separately turns it off when its precision falls).
 
-Every state change is appended to a JSONL event log when ``AGENTCACHE_EVENT_LOG`` names a file:
+Every state change is appended to a JSONL event log when ``AGENTCACHE_EVENT_LOG`` names a file (by a
+writer thread: never on the event loop, see :mod:`~sgl_agentcache.server.event_log`):
 ``tool_wait`` (with the decision, retained tokens and bytes), ``restoring``/``decode`` (resume, with the
 restored tokens), ``completed`` (closed by the agent, with the route or a ``close`` hint) and
 ``cancelled`` (deadline, or an aborted subagent), so tool wait is never counted as model latency.
@@ -24,7 +25,6 @@ restored tokens), ``completed`` (closed by the agent, with the route or a ``clos
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import statistics
@@ -37,6 +37,7 @@ import msgspec
 
 from sgl_agentcache.policy.distributions import LogNormal
 from sgl_agentcache.policy.latency import LatencyBook
+from sgl_agentcache.server.event_log import EventLog
 
 logger = logging.getLogger(__name__)
 MAX_RETENTION_ENV = "AGENTCACHE_MAX_RETENTION_S"
@@ -66,23 +67,6 @@ class _Active:
     started: float
     timer: asyncio.Task | None = None
     nearly_done_at: float | None = None
-
-
-class EventLog:
-    """Append-only JSONL of trajectory states; a no-op without a path."""
-
-    def __init__(self, path: str | None, kind_key: str = "state"):
-        self.path = path
-        self.kind_key = kind_key
-        self.written = 0
-
-    def emit(self, state: str, branch: dict, **fields) -> None:
-        if not self.path:
-            return
-        record = {"ts": time.time(), self.kind_key: state, **branch, **fields}
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, default=str) + "\n")
-        self.written += 1
 
 
 @dataclass
@@ -245,4 +229,4 @@ class PauseCoordinator:
         return {"active_pauses": len(self.active), **self.counters, "latency_models": models,
                 "prefetch_lead_median_s": statistics.median(self.leads) if self.leads else None,
                 "max_retention_s": self.max_retention_s, "event_log": self.events.path,
-                "events_written": self.events.written}
+                "events_written": self.events.written, "events_dropped": self.events.dropped + self.events.failed}
