@@ -1,0 +1,116 @@
+"""Server-path hardening on a real SGLang server (CPU), issue #22: what one tenant could do to a shared
+server, and the documented guarantees hostile testing broke.
+
+The server is this module's own (never the session's shared one): several inputs here killed an
+unguarded SGLang 0.5.23 scheduler, and a regression must take down only this module. It runs with
+tenancy (two tenants and an admin key). Every test that sends a prompt the server must refuse checks
+afterwards that the scheduler still generates (``/health_generate``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from sgl_agentcache.cpu_server import CpuServer
+from sgl_agentcache.hints import lifecycle_envelope
+from sgl_agentcache.tenancy import key_digest
+
+pytestmark = pytest.mark.server
+
+ACME_KEY = "ak-acme-hardening-0123456789"
+GLOBEX_KEY = "ak-globex-hardening-0123456789"
+ADMIN_KEY = "ak-admin-hardening-0123456789"
+ACME_MAX_TTL_S = 600
+
+TENANTS_TOML = f"""
+admin_keys = ["{key_digest(ADMIN_KEY)}"]
+
+[tenants.acme]
+keys = ["{key_digest(ACME_KEY)}"]
+ceilings = {{ max_session_ttl_s = {ACME_MAX_TTL_S} }}
+
+[tenants.globex]
+keys = ["{key_digest(GLOBEX_KEY)}"]
+"""
+
+
+@pytest.fixture(scope="module")
+def hserver(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hardening")
+    (root / "tenants.toml").write_text(TENANTS_TOML)
+    srv = CpuServer(str(tiny_model.path), log_path=root / "sglang.log", max_total_tokens=4096,
+                    env={"AGENTCACHE_TENANTS": str(root / "tenants.toml"), "AGENTCACHE_SECRET": "h" * 48,
+                         "AGENTCACHE_AUDIT_LOG": str(root / "audit.jsonl")})
+    srv.vocab_size = tiny_model.vocab_size
+    srv.audit_log = root / "audit.jsonl"
+    with srv.start():
+        yield srv
+
+
+def _call(srv, method, path, key=None, body=None, timeout=60.0):
+    return srv.request(method, path, body, headers={"x-agentcache-key": key} if key else {}, timeout=timeout)
+
+
+def _error(reply) -> str:
+    error = reply.get("error") if isinstance(reply, dict) else reply
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(error or reply.get("detail") or reply.get("message") or reply)
+
+
+def _assert_alive(srv) -> None:
+    """The scheduler still runs: a generation through it answers (SGLang's own probe)."""
+    status, reply = _call(srv, "GET", "/health_generate", timeout=60)
+    assert status == 200, reply
+    assert srv.proc.poll() is None
+
+
+GREEDY = {"max_new_tokens": 1, "temperature": 0.0}
+
+# ---- one tenant must not be able to kill the shared server (items 1, 2) ----
+
+
+@pytest.mark.parametrize("body, needle", [
+    pytest.param({"input_ids": [5, 6, "vocab"]}, "`input_ids[2]` = {vocab}", id="id-at-vocab"),
+    pytest.param({"input_ids": [-1, 5]}, "`input_ids[0]` = -1", id="negative-id"),
+    pytest.param({"input_ids": [[5, 6], [7, "vocab", 8]]}, "`input_ids[1][1]` = {vocab}", id="batch-id-at-vocab"),
+    pytest.param({"input_ids": [[5, 6], [7, 10**6]]}, "`input_ids[1][1]` = 1000000", id="batch-huge-id"),
+    pytest.param({"input_ids": [[5, 6], []]}, "`input_ids[1]` is empty", id="batch-empty-prompt"),
+    pytest.param({"input_ids": [[]]}, "`input_ids[0]` is empty", id="batch-of-one-empty"),
+    pytest.param({"text": ""}, "empty once tokenized", id="empty-text"),
+    pytest.param({"text": ["agent: plan", ""]}, "empty once tokenized", id="batch-empty-text"),
+])
+def test_generate_refuses_prompts_that_kill_sglang(hserver, body, needle):
+    """Out-of-vocabulary ids (IndexError in the scheduler) and empty prompts in a batch (an assertion at
+    release) or after tokenization (a reshape error) are a 400 naming the field; the server lives on."""
+    body = json.loads(json.dumps(body).replace('"vocab"', str(hserver.vocab_size)))
+    status, reply = _call(hserver, "POST", "/generate", ACME_KEY, {**body, "sampling_params": GREEDY})
+    assert status == 400, reply
+    assert needle.format(vocab=hserver.vocab_size) in _error(reply), reply
+    _assert_alive(hserver)
+
+
+@pytest.mark.parametrize("prompt, needle", [
+    pytest.param([5, "vocab"], "`prompt[1]` = {vocab}", id="id-at-vocab"),
+    pytest.param([[5, 6], [-3]], "`prompt[1][0]` = -3", id="batch-negative-id"),
+    pytest.param([[5, 6], []], "`prompt[1]` is empty", id="batch-empty-prompt"),
+    pytest.param(["agent: plan", ""], "empty once tokenized", id="batch-empty-text"),
+])
+def test_completions_refuse_prompts_that_kill_sglang(hserver, prompt, needle):
+    prompt = json.loads(json.dumps(prompt).replace('"vocab"', str(hserver.vocab_size)))
+    body = {"model": "default", "prompt": prompt, "max_tokens": 1}
+    status, reply = _call(hserver, "POST", "/v1/completions", GLOBEX_KEY, body)
+    assert status == 400, reply
+    assert needle.format(vocab=hserver.vocab_size) in _error(reply), reply
+    _assert_alive(hserver)
+
+
+def test_valid_prompts_at_the_vocabulary_edges_still_generate(hserver):
+    edges = [0, hserver.vocab_size - 1, 5]
+    status, reply = _call(hserver, "POST", "/generate", ACME_KEY, {"input_ids": [edges, [7]], "sampling_params": GREEDY})
+    assert status == 200 and len(reply) == 2, reply
+    body = {"model": "default", "prompt": edges, "max_tokens": 1}
+    assert _call(hserver, "POST", "/v1/completions", ACME_KEY, body)[0] == 200
