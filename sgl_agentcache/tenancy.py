@@ -58,7 +58,9 @@ MAX_TOMBSTONES = 100_000
 _TenantName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 _HASHED = re.compile(r"^sha256:[0-9a-f]{64}\Z")
-_SESSION = re.compile(r"^([0-9a-f]{8,64})\.([0-9]{1,12})\.([A-Za-z0-9_-]{22})\Z")
+#: A credential in its one canonical spelling: the expiry without leading zeros (``0001234`` would carry the
+#: same MAC as ``1234`` and verify as another session id, one that ``session/close`` never retired).
+_SESSION = re.compile(r"^([0-9a-f]{8,64})\.(0|[1-9][0-9]{0,11})\.([A-Za-z0-9_-]{22})\Z")
 _MAC_LABEL = b"sgl-agentcache session v1\x00"
 
 #: Routes that need no key at all (SGLang's own probes: it never protects these either).

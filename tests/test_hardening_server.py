@@ -114,3 +114,34 @@ def test_valid_prompts_at_the_vocabulary_edges_still_generate(hserver):
     assert status == 200 and len(reply) == 2, reply
     body = {"model": "default", "prompt": edges, "max_tokens": 1}
     assert _call(hserver, "POST", "/v1/completions", ACME_KEY, body)[0] == 200
+
+
+# ---- documented guarantees (items 5-8) ----
+
+
+def _open(srv, key, **body) -> dict:
+    status, reply = _call(srv, "POST", "/agentcache/session/open", key, body)
+    assert status == 200, reply
+    return reply
+
+
+def _hinted(srv, key, session, ids, **hint):
+    body = {"input_ids": ids, "sampling_params": GREEDY,
+            "kv_hints": lifecycle_envelope({"session": session, **hint}, message_id=f"m-{time.monotonic_ns()}")}
+    return _call(srv, "POST", "/generate", key, body)
+
+
+def test_a_closed_session_stays_closed_whatever_the_spelling_of_its_credential(hserver):
+    """A credential whose expiry had leading zeros verified (same MAC) as a different session id: after
+    ``session/close`` it still worked. Only the canonical spelling is a credential now."""
+    session = _open(hserver, ACME_KEY)["session"]
+    assert _hinted(hserver, ACME_KEY, session, [5, 6, 7, 8])[0] == 200
+    assert _call(hserver, "POST", "/agentcache/session/close", ACME_KEY, {"session": session})[0] == 200
+    sid, expiry, mac = session.split(".")
+    variant = f"{sid}.0{expiry}.{mac}"
+    status, reply = _hinted(hserver, ACME_KEY, variant, [5, 6, 7, 8])
+    assert status == 403, reply
+    for route in ("/agentcache/branch/close", "/agentcache/session/close", "/agentcache/pause"):
+        body = {"session": variant, "tool_class": "grep"} if route.endswith("pause") else {"session": variant}
+        assert _call(hserver, "POST", route, ACME_KEY, body)[0] == 403, route
+    assert _hinted(hserver, ACME_KEY, session, [5, 6, 7, 8])[0] == 403

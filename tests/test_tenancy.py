@@ -116,6 +116,20 @@ def test_session_credentials(tenancy):
     assert replay.value.status == 403 and replay.value.reason == "closed_session"
 
 
+def test_a_credential_has_one_spelling(tenancy):
+    """An expiry with leading zeros carries the same MAC; it used to verify as another session id, one
+    that a close of the real session never retired."""
+    session, _, _ = tenancy.issue_session("acme", NOW, ttl_s=60)
+    sid, expiry, mac = session.split(".")
+    tenancy.tombstone("acme", session, NOW)
+    for variant in (f"{sid}.0{expiry}.{mac}", f"{sid}.00{expiry}.{mac}"):
+        with pytest.raises(CredentialError) as refused:
+            tenancy.verify_session("acme", variant, NOW)
+        assert refused.value.status == 403, variant
+    with pytest.raises(CredentialError, match="closed"):
+        tenancy.verify_session("acme", session, NOW)
+
+
 def test_session_lifetime_is_clipped_and_ids_fit_the_hint_grammar(tenancy):
     import re
 
