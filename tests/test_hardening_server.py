@@ -10,6 +10,8 @@ afterwards that the scheduler still generates (``/health_generate``).
 from __future__ import annotations
 
 import json
+import os
+import select
 import time
 
 import pytest
@@ -41,11 +43,13 @@ keys = ["{key_digest(GLOBEX_KEY)}"]
 def hserver(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("hardening")
     (root / "tenants.toml").write_text(TENANTS_TOML)
+    os.mkfifo(root / "events.fifo")  # an event log nobody reads: writing to it blocks (see the last test)
     srv = CpuServer(str(tiny_model.path), log_path=root / "sglang.log", max_total_tokens=4096,
                     env={"AGENTCACHE_TENANTS": str(root / "tenants.toml"), "AGENTCACHE_SECRET": "h" * 48,
-                         "AGENTCACHE_AUDIT_LOG": str(root / "audit.jsonl")})
+                         "AGENTCACHE_AUDIT_LOG": str(root / "audit.jsonl"),
+                         "AGENTCACHE_EVENT_LOG": str(root / "events.fifo"), "AGENTCACHE_PROFILE": "seed"})
     srv.vocab_size = tiny_model.vocab_size
-    srv.audit_log = root / "audit.jsonl"
+    srv.audit_log, srv.event_log = root / "audit.jsonl", root / "events.fifo"
     with srv.start():
         yield srv
 
@@ -145,3 +149,82 @@ def test_a_closed_session_stays_closed_whatever_the_spelling_of_its_credential(h
         body = {"session": variant, "tool_class": "grep"} if route.endswith("pause") else {"session": variant}
         assert _call(hserver, "POST", route, ACME_KEY, body)[0] == 403, route
     assert _hinted(hserver, ACME_KEY, session, [5, 6, 7, 8])[0] == 403
+
+
+def _audit(srv, until, timeout: float = 10.0) -> list[dict]:
+    """The audit log's records once ``until(records)`` holds (a writer thread appends them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [json.loads(line) for line in srv.audit_log.read_text().splitlines()]
+        if until(records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def test_audit_log_keeps_a_bounded_piece_of_a_refused_path(hserver):
+    """Every 401 is audited with its path; a client-chosen 8 KiB path used to be logged whole (2,000
+    such requests: 16 MB)."""
+    marker = "x" * 8000
+    assert _call(hserver, "GET", f"/{marker}")[0] == 401
+    assert _call(hserver, "POST", f"/agentcache/{marker}", "ak-not-a-key-0000000000", {})[0] == 401
+    records = _audit(hserver, lambda rs: sum(marker[:100] in r.get("path", "") for r in rs) >= 2)
+    logged = [r for r in records if marker[:100] in r.get("path", "")]
+    assert len(logged) >= 2 and all(len(json.dumps(r)) < 1024 for r in logged), logged[0]["path"][:300]
+    assert all(r["path"].endswith("chars)") for r in logged)
+
+
+def test_session_open_reports_a_clipped_lifetime(hserver):
+    reply = _open(hserver, ACME_KEY, ttl_s=ACME_MAX_TTL_S * 10)
+    assert reply["clipped"] == {"ttl_s": {"asked": ACME_MAX_TTL_S * 10, "granted": ACME_MAX_TTL_S}}, reply
+    assert reply["expires_at"] - time.time() <= ACME_MAX_TTL_S
+    assert "clipped" not in _open(hserver, ACME_KEY, ttl_s=60)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/chat/completions", {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": GREEDY}),
+])
+def test_one_rule_for_generation_tenants_generate_admins_never(hserver, path, body):
+    """The admin key generated on routes outside the tenant list (``/v1/messages``) while ``/generate``
+    refused it, and tenants could not use those routes at all."""
+    status, reply = _call(hserver, "POST", path, ADMIN_KEY, body)
+    assert status == 403, reply
+    status, reply = _call(hserver, "POST", path, ACME_KEY, body)
+    assert status == 200, reply
+
+
+def _read_fifo(path, until, timeout: float = 30.0) -> list[dict]:
+    """Open the event log's FIFO for reading and collect records until ``until(records)`` holds."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    data, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                data += os.read(fd, 1 << 16)
+            records = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+            if until(records):
+                return records
+    finally:
+        os.close(fd)
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+def test_a_stuck_event_log_delays_no_request_and_holds_no_credential(hserver):
+    """The event log is a FIFO that nobody reads: opening it for writing blocks. Written on the HTTP
+    event loop (as it was), the first state change froze every request; now a writer thread waits on it.
+    Once read, the record names the session by its id part, never by the whole credential."""
+    session = _open(hserver, GLOBEX_KEY)["session"]
+    assert _hinted(hserver, GLOBEX_KEY, session, [5, 6, 7, 8, 9])[0] == 200
+    for _ in range(3):  # each close is a 'completed' record: the log's writer is stuck on the FIFO now
+        status, reply = _call(hserver, "POST", "/agentcache/session/close", GLOBEX_KEY, {"session": session},
+                              timeout=15)
+        assert status in (200, 403), reply  # closed once, then its credential is retired
+    assert _call(hserver, "GET", "/agentcache/stats", GLOBEX_KEY, timeout=15)[0] == 200
+    _assert_alive(hserver)
+    sid = session.split(".")[0]
+    records = _read_fifo(hserver.event_log, lambda rs: any(r.get("session") == sid for r in rs))
+    completed = [r for r in records if r.get("session") == sid]
+    assert completed and completed[0]["state"] == "completed", records
+    assert all(session not in json.dumps(r) and session.split(".")[2] not in json.dumps(r) for r in records)

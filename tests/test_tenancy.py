@@ -194,6 +194,7 @@ def test_ceilings_clip_and_merge_with_defaults(tenancy):
     ("/generate", "tenant"), ("/v1/chat/completions", "tenant"), ("/agentcache/pause", "tenant"),
     ("/agentcache/stats", "any"), ("/agentcache/admin/purge", "admin"), ("/agentcache/check", "admin"),
     ("/flush_cache", "admin"), ("/abort_request", "admin"), ("/v1/responses/abc", "admin"), ("/anything", "admin"),
+    ("/v1/messages", "tenant"), ("/v1/realtime", "tenant"), ("/invocations", "tenant"),
 ])
 def test_routes_are_denied_unless_classified(tenancy, path, kind):
     assert tenancy.route_kind(path) == kind
@@ -255,3 +256,36 @@ def test_the_tenant_key_header_wins_over_sglangs_bearer():
     assert _presented_key(both) == "tenant-key"
     assert _presented_key([(b"authorization", b"Bearer tenant-key")]) == "tenant-key"
     assert _presented_key([(b"authorization", b"Basic abc")]) is None and _presented_key([]) is None
+
+
+def test_admin_keys_never_generate_whatever_the_route(bound, tenancy):
+    """One rule: a generation with an admin identity is refused where every generation passes, so a
+    route missing from the tenant list cannot become an admin's way to generate."""
+    obj = SimpleNamespace(input_ids=[5, 6], extra_key=None, cache_salt=None, kv_hints=None)
+    request = SimpleNamespace(scope={"agentcache.identity": Identity(None, admin=True)},
+                              url=SimpleNamespace(path="/some/new/generation/route"))
+    with pytest.raises(CredentialError) as refused:
+        bound.bind_generate(obj, request)
+    assert refused.value.status_code == 403 and obj.cache_salt is None
+    assert bound.trust.rejected == {"admin_on_tenant_route": 1}
+
+
+def test_logs_show_a_credential_by_its_id_only(tenancy):
+    session, expiry, _ = tenancy.issue_session("acme", NOW, ttl_s=60)
+    sid, _, mac = session.split(".")
+    assert tn.session_label(session) == sid and tn.session_label(f"{sid}.0{expiry}.{mac}") == sid
+    assert tn.session_label("task-42") == "task-42"
+    with pytest.raises(CredentialError) as refused:
+        tenancy.verify_session("acme", f"{sid}.0{expiry}.{mac}", NOW)
+    assert mac not in str(refused.value) and str(expiry) not in str(refused.value)
+
+
+def test_audit_records_keep_a_bounded_piece_of_client_text(tmp_path):
+    from sgl_agentcache.server import auth
+
+    trust = auth.Trust(str(tmp_path / "audit.jsonl"))
+    trust.reject("no_key", tenant=None, path="/" + "p" * 10_000, message="m" * 10_000)
+    assert trust.audit.flush(5.0)
+    record = json.loads((tmp_path / "audit.jsonl").read_text())
+    assert len(record["path"]) < auth.MAX_LOGGED_CHARS + 32 and record["path"].endswith("(+9745 chars)")
+    assert len(record["message"]) < auth.MAX_LOGGED_CHARS + 32

@@ -64,19 +64,20 @@ class Trust:
 
     def reject(self, reason: str, *, tenant: str | None, path: str, message: str = "") -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        self.audit.emit("rejected", {"tenant": tenant}, reason=reason, path=path, message=message)
+        self.audit.emit("rejected", {"tenant": tenant}, reason=reason, path=_logged(path),
+                        message=_logged(message))
         if self._prom():
             self._metrics.rejected.labels(reason).inc()
 
     def clip(self, tenant: str, field: str, asked, granted, *, path: str) -> None:
         self.clipped[field] = self.clipped.get(field, 0) + 1
-        self.audit.emit("clipped", {"tenant": tenant}, field=field, asked=asked, granted=granted, path=path)
+        self.audit.emit("clipped", {"tenant": tenant}, field=field, asked=asked, granted=granted, path=_logged(path))
         if self._prom():
             self._metrics.clipped.labels(field).inc()
 
     def note_overwrite(self, tenant: str | None, path: str) -> None:
         self.overwritten += 1
-        self.audit.emit("namespace_overwritten", {"tenant": tenant}, path=path)
+        self.audit.emit("namespace_overwritten", {"tenant": tenant}, path=_logged(path))
         if self._prom():
             self._metrics.rejected.labels("namespace_overwritten").inc()
 
@@ -87,6 +88,17 @@ class Trust:
         return {"rejected": dict(self.rejected), "clipped": dict(self.clipped),
                 "namespace_overwritten": self.overwritten, "audit_log": self.audit.path,
                 "audit_events": self.audit.written, "audit_dropped": self.audit.dropped + self.audit.failed}
+
+
+#: Characters of a request path (or message) the audit log keeps: a client chooses them, and a 401
+#: costs it nothing, so 8 KiB paths must not become 8 KiB audit lines.
+MAX_LOGGED_CHARS = 256
+
+
+def _logged(text: str) -> str:
+    if len(text) <= MAX_LOGGED_CHARS:
+        return text
+    return f"{text[:MAX_LOGGED_CHARS]}...(+{len(text) - MAX_LOGGED_CHARS} chars)"
 
 
 trust = Trust(os.environ.get(AUDIT_LOG_ENV))
@@ -223,6 +235,7 @@ def bind_generate(obj, request=None) -> None:
         return
     identity = identity_of(request)
     path = getattr(getattr(request, "url", None), "path", "/generate")
+    refuse_admin_generation(identity, path)
     salt = bound_salt(identity)
     tenant = identity.tenant if identity is not None else None
     if hasattr(obj, "cache_salt"):
@@ -241,6 +254,15 @@ def bind_generate(obj, request=None) -> None:
     if hasattr(obj, "cache_salt"):
         obj.extra_key = None
         obj.cache_salt = salt
+
+
+def refuse_admin_generation(identity: Identity | None, path: str) -> None:
+    """One rule for every route that runs the model: a tenant key generates (in its namespace), an admin
+    key never does. Raise :class:`CredentialError` (403, audited) for an admin's generation."""
+    if tenancy is not None and identity is not None and identity.admin:
+        trust.reject("admin_on_tenant_route", tenant=None, path=path)
+        raise CredentialError(403, "admin_on_tenant_route", f"{_logged(path)} runs the model for a tenant; "
+                              "admin keys do not generate (use a tenant key)")
 
 
 def _values(value) -> list:

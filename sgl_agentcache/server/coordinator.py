@@ -19,7 +19,8 @@ Every state change is appended to a JSONL event log when ``AGENTCACHE_EVENT_LOG`
 writer thread: never on the event loop, see :mod:`~sgl_agentcache.server.event_log`):
 ``tool_wait`` (with the decision, retained tokens and bytes), ``restoring``/``decode`` (resume, with the
 restored tokens), ``completed`` (closed by the agent, with the route or a ``close`` hint) and
-``cancelled`` (deadline, or an aborted subagent), so tool wait is never counted as model latency.
+``cancelled`` (deadline, or an aborted subagent), so tool wait is never counted as model latency. A
+session credential appears there by its id part only.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import msgspec
 from sgl_agentcache.policy.distributions import LogNormal
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.server.event_log import EventLog
+from sgl_agentcache.tenancy import session_label
 
 logger = logging.getLogger(__name__)
 MAX_RETENTION_ENV = "AGENTCACHE_MAX_RETENTION_S"
@@ -95,6 +97,10 @@ class PauseCoordinator:
         if self._metrics:
             self._metrics.count(event)
 
+    def _emit(self, state: str, args: dict, **fields) -> None:
+        """An event log record; a session credential is logged by its id part only (never in full)."""
+        self.events.emit(state, args | {"session": session_label(args["session"])}, **fields)
+
     @staticmethod
     def _args(namespace: str, session: str, branch: str) -> dict:
         return {"namespace": namespace, "session": session, "branch": branch}
@@ -132,7 +138,7 @@ class PauseCoordinator:
         if result.get("paused"):
             active = self.active[key] = _Active(tool_class, self.clock())
             active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
-        self.events.emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
+        self._emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
                          retained_tokens=result.get("tokens"), reason=result.get("reason"),
                          deadline_s=deadline_s)
         return status, result | {"deadline_s": deadline_s}
@@ -150,11 +156,11 @@ class PauseCoordinator:
             self._count("resumes_by_request" if by_request else "resumes")
         if by_request:  # the scheduler restores as it admits the request; nothing to send
             if active is not None:
-                self.events.emit("restoring", self._args(*key), tool_class=active.tool_class, by="request")
+                self._emit("restoring", self._args(*key), tool_class=active.tool_class, by="request")
             return 200, {"resumed": active is not None}
         status, result = await self.send("resume", self._args(*key))
         if status == 200 and result.get("resumed"):
-            self.events.emit("decode", self._args(*key), restored_tokens=result.get("restored_tokens"),
+            self._emit("decode", self._args(*key), restored_tokens=result.get("restored_tokens"),
                              placement=result.get("placement"))
         return status, result
 
@@ -171,7 +177,7 @@ class PauseCoordinator:
         active.nearly_done_at = self.clock()
         caps = ceilings.caps() if ceilings is not None else {}
         status, result = await self.send("prefetch", self._args(*key) | ({"caps": caps} if caps else {}))
-        self.events.emit("restoring", self._args(*key), speculative=True,
+        self._emit("restoring", self._args(*key), speculative=True,
                          restored_tokens=result.get("restored_tokens"), expected_remaining_ms=expected_remaining_ms)
         return status, result
 
@@ -192,7 +198,7 @@ class PauseCoordinator:
         or ``cancelled`` (aborted); its timers go and the event log gets its final state."""
         self.forget(namespace, session, branch)
         args = {"namespace": namespace, "session": session} | ({"branch": branch} if branch is not None else {})
-        self.events.emit(state, args, reason=reason)
+        self._emit(state, args, reason=reason)
 
     def purge(self, namespace: str) -> int:
         """A tenant was purged: its timers and its learned tool latencies go. Returns pauses dropped."""
@@ -214,7 +220,7 @@ class PauseCoordinator:
         self.active.pop(key, None)
         status, result = await self.send("expire", self._args(*key))
         self._count("deadline_expiries")
-        self.events.emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
+        self._emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
         logger.info("agentcache: deadline of %s/%s passed: %s", key[1], key[2], result)
 
     def stats(self, namespace: str | None = None) -> dict:

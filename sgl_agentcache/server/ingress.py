@@ -242,6 +242,7 @@ async def _on_finish(gen, namespace: str, hint):
 
 
 def _after_convert_to_internal_request(result, serving, request, raw_request=None, *args, **kwargs):
+    _refuse_admin_generation(raw_request)
     values = raw_request.headers.getlist(HINT_HEADER) if raw_request is not None else []
     if not values:
         return result
@@ -257,6 +258,23 @@ def _after_convert_to_internal_request(result, serving, request, raw_request=Non
     fields = {f: getattr(hint, f) for f in hint.__struct_fields__}
     adapted.kv_hints = lifecycle_envelope(fields, message_id=uuid.uuid4().hex)
     return adapted, original
+
+
+def _refuse_admin_generation(raw_request) -> None:
+    """The admin rule of ``auth.bind_generate``, checked early on the OpenAI-style routes (chat,
+    completions, and the Anthropic and SageMaker routes built on them) so that it is a 403 there too:
+    their handlers keep an ``HTTPException``'s status, a ``ValueError`` would become a 400."""
+    from sgl_agentcache.server import auth
+    from sgl_agentcache.tenancy import CredentialError
+
+    if auth.tenancy is None or raw_request is None:
+        return
+    try:
+        auth.refuse_admin_generation(auth.identity_of(raw_request), raw_request.url.path)
+    except CredentialError as exc:
+        from fastapi import HTTPException
+
+        raise HTTPException(status_code=exc.status, detail=str(exc)) from None
 
 
 def _check_header_credential(hint, raw_request) -> None:
