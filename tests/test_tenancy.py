@@ -289,3 +289,62 @@ def test_audit_records_keep_a_bounded_piece_of_client_text(tmp_path):
     record = json.loads((tmp_path / "audit.jsonl").read_text())
     assert len(record["path"]) < auth.MAX_LOGGED_CHARS + 32 and record["path"].endswith("(+9745 chars)")
     assert len(record["message"]) < auth.MAX_LOGGED_CHARS + 32
+
+
+# ---- the middleware on every ASGI scope type (in process: this environment's uvicorn has no WebSocket
+# implementation installed, so a real server here refuses every upgrade itself) ----
+
+
+@pytest.fixture
+def guarded_app(bound):
+    """A Starlette app with an HTTP and two WebSocket routes, behind the real TenancyMiddleware."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.testclient import TestClient
+
+    async def reached(websocket):
+        await websocket.accept()
+        await websocket.send_text("reached")
+        await websocket.close()
+
+    app = Starlette(routes=[Route("/generate", lambda request: PlainTextResponse("ok"), methods=["POST"]),
+                            WebSocketRoute("/v1/realtime", reached), WebSocketRoute("/ws/debug", reached)])
+    app.add_middleware(bound.TenancyMiddleware)
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("path, key, admitted", [
+    ("/v1/realtime", None, False), ("/v1/realtime", "ak-not-a-key-000000000", False),
+    ("/v1/realtime", ADMIN, False), ("/v1/realtime", ACME, True),
+    ("/ws/debug", None, False), ("/ws/debug", ACME, False), ("/ws/debug", ADMIN, True),  # unclassified: admin
+])
+def test_websockets_are_authenticated_like_http(guarded_app, bound, path, key, admitted):
+    """Issue #22: the middleware passed every non-HTTP scope through, so a WebSocket route reached the
+    model with no key at all."""
+    from starlette.websockets import WebSocketDisconnect
+
+    headers = {"x-agentcache-key": key} if key else {}
+    if admitted:
+        with guarded_app.websocket_connect(path, headers=headers) as ws:
+            assert ws.receive_text() == "reached"
+        return
+    with pytest.raises(WebSocketDisconnect) as refused:
+        with guarded_app.websocket_connect(path, headers=headers) as ws:
+            ws.receive_text()
+    assert refused.value.code == 1008
+    assert sum(bound.trust.rejected.values()) == 1
+
+
+def test_unknown_scope_types_are_never_passed_on(bound):
+    import asyncio
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["type"])
+
+    middleware = bound.TenancyMiddleware(app)
+    for kind in ("webtransport", "lifespan"):
+        asyncio.run(middleware({"type": kind}, None, None))
+    assert reached == ["lifespan"]

@@ -3,8 +3,8 @@
 Active only when ``AGENTCACHE_TENANTS`` names a tenants file (see :mod:`sgl_agentcache.tenancy`).
 
 - :class:`TenancyMiddleware` (pure ASGI, inside SGLang's own ``--api-key`` middleware) authenticates
-  every request: the key comes from ``x-agentcache-key``, or from ``Authorization: Bearer`` when
-  SGLang's ``--api-key`` is not in use. Public probes pass; tenant routes need a tenant key (401
+  every request, HTTP or WebSocket: the key comes from ``x-agentcache-key``, or from
+  ``Authorization: Bearer`` when SGLang's ``--api-key`` is not in use. Public probes pass; tenant routes need a tenant key (401
   without, 403 with an admin key); everything else needs an admin key. The identity is put in the ASGI
   scope and in a context variable for the hooks below.
 - :func:`bind_generate` (called by the ingress hook on ``TokenizerManager.generate_request``) overwrites
@@ -147,15 +147,28 @@ async def _refuse(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _refuse_websocket(receive, send, message: str) -> None:
+    """Refuse a WebSocket before it is accepted: the server answers the handshake with HTTP 403."""
+    await receive()  # the websocket.connect message, always the first
+    await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+
+
 class TenancyMiddleware:
-    """Authenticate and authorise every HTTP request against :data:`tenancy` (see module docstring)."""
+    """Authenticate and authorise every request against :data:`tenancy` (see module docstring): HTTP and
+    WebSocket scopes alike (``/v1/realtime`` is a WebSocket). ``lifespan`` is the server's own; any other
+    scope type is never passed on."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or tenancy is None or scope.get("method") == "OPTIONS":
+        kind_of_scope = scope["type"]
+        if tenancy is None or kind_of_scope == "lifespan" or (kind_of_scope == "http"
+                                                               and scope.get("method") == "OPTIONS"):
             return await self.app(scope, receive, send)
+        if kind_of_scope not in ("http", "websocket"):
+            logger.warning("agentcache: refused an ASGI scope of unknown type %r", kind_of_scope)
+            return None
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):  # a server behind --fastapi-root-path: classify the route itself
@@ -166,7 +179,7 @@ class TenancyMiddleware:
             key = _presented_key(scope.get("headers", []))
             identity = tenancy.authenticate(key)
             refusal = None
-            if identity is None and _is_warmup(scope, path):
+            if identity is None and kind_of_scope == "http" and _is_warmup(scope, path):
                 identity = Identity(None, admin=path != "/generate")  # system namespace, no hints
             elif identity is None:
                 refusal = (401, "no_key" if key is None else "bad_key",
@@ -178,6 +191,8 @@ class TenancyMiddleware:
             if refusal is not None:
                 status, reason, message = refusal
                 trust.reject(reason, tenant=identity.tenant if identity else None, path=path)
+                if kind_of_scope == "websocket":
+                    return await _refuse_websocket(receive, send, message)
                 return await _refuse(send, status, message)
         scope[_SCOPE_KEY] = identity
         token = _current.set(identity)
