@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import select
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -50,8 +53,45 @@ def hserver(tiny_model, tmp_path_factory):
                          "AGENTCACHE_EVENT_LOG": str(root / "events.fifo"), "AGENTCACHE_PROFILE": "seed"})
     srv.vocab_size = tiny_model.vocab_size
     srv.audit_log, srv.event_log = root / "audit.jsonl", root / "events.fifo"
-    with srv.start():
+    hammer = _KeylessHammer(srv.url)  # a keyless local client racing SGLang's own warmup (item 5)
+    try:
+        srv.start()
+        srv.up_at = time.monotonic()
+    finally:
+        srv.hammered = hammer.stop()
+    with srv:
         yield srv
+
+
+class _KeylessHammer:
+    """Threads that POST keyless ``/generate`` calls from loopback from before the port opens until
+    stopped, recording (time answered, status)."""
+
+    def __init__(self, url: str, threads: int = 4):
+        self.url, self.stopped, self.answers = url, threading.Event(), []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self) -> None:
+        body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": GREEDY}).encode()
+        while not self.stopped.is_set():
+            request = urllib.request.Request(self.url + "/generate", data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    self.answers.append((time.monotonic(), reply.status))
+            except urllib.error.HTTPError as err:
+                self.answers.append((time.monotonic(), err.code))
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or going down
+            self.stopped.wait(0.05)
+
+    def stop(self) -> list[tuple[float, int]]:
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join(60)
+        return self.answers
 
 
 def _call(srv, method, path, key=None, body=None, timeout=60.0):
@@ -73,6 +113,20 @@ def _assert_alive(srv) -> None:
 
 
 GREEDY = {"max_new_tokens": 1, "temperature": 0.0}
+
+# ---- start-up (item 5) ----
+
+
+def test_start_up_warmup_is_never_starved_by_a_keyless_client(hserver):
+    """Keyless loopback requests during start-up were admitted (four, the warmup's allowance), SGLang's
+    own warmup then got a 401 and the server killed itself. Only the warmup's own requests (from this
+    very process) are admitted now: the server came up, and every keyless request during start-up was
+    refused."""
+    during = [status for at, status in hserver.hammered if at < hserver.up_at]
+    assert during, "the keyless client never reached the server during its start-up"
+    assert set(status for _, status in hserver.hammered) == {401}, hserver.hammered
+    _assert_alive(hserver)
+
 
 # ---- one tenant must not be able to kill the shared server (items 1, 2) ----
 

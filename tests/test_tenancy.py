@@ -348,3 +348,32 @@ def test_unknown_scope_types_are_never_passed_on(bound):
     for kind in ("webtransport", "lifespan"):
         asyncio.run(middleware({"type": kind}, None, None))
     assert reached == ["lifespan"]
+
+
+def test_a_connection_is_recognised_as_this_processs_own_and_no_other():
+    """The warmup check: a keyless request is SGLang's warmup only if its TCP client end is one of this
+    process's own sockets; a client in another process (any local user) never is."""
+    import socket
+    import subprocess
+    import sys
+
+    from sgl_agentcache.server.auth import from_this_process
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = listener.getsockname()[:2]
+        with socket.create_connection(server) as ours:
+            accepted, client = listener.accept()
+            with accepted:
+                assert from_this_process(client[:2], server)
+        other = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; "
+                                  f"s = socket.create_connection(('127.0.0.1', {server[1]})); "
+                                  "sys.stdout.write('x'); sys.stdout.flush(); time.sleep(30)"],
+                                 stdout=subprocess.PIPE)
+        try:
+            assert other.stdout.read(1) == b"x"
+            accepted, client = listener.accept()
+            with accepted:
+                assert not from_this_process(client[:2], server)
+        finally:
+            other.kill()
+            other.wait()

@@ -33,13 +33,15 @@ _SCOPE_KEY = "agentcache.identity"
 
 #: The server's tenancy (None: tenancy off). Set once, in the HTTP process, before the app serves.
 tenancy: Tenancy | None = None
-#: Keyless loopback calls still admitted for SGLang's own start-up warmup (which sends no tenant key):
-#: a few ``/generate`` and its closing ``/freeze_gc``. Non-zero only while the warmup runs (the server
-#: is not "up" yet); generations run in the system namespace and may carry no hints.
-_warmup_allowance = 0
-WARMUP_REQUESTS = 4
-WARMUP_PATHS = ("/generate", "/freeze_gc")
-_warmup_hosts = {"127.0.0.1", "::1"}  # plus the server's own address when it binds one interface
+#: SGLang's start-up warmup calls its own server without a tenant key: ``/model_info``, one generation
+#: (``/generate``; ``/encode``, ``/v1/chat/completions`` or ``/v1/systemone`` for other models) and
+#: ``/freeze_gc``. While it runs (the server is not "up" yet), a keyless request to one of these paths is
+#: admitted only if it comes from this very process -- a TCP connection whose client end is one of our
+#: own sockets -- so no other client can pass for the warmup or use up its admission. Path -> whether the
+#: warmup's identity there is an operator's (the generations run in the system namespace, without hints).
+WARMUP_PATHS = {"/model_info": True, "/freeze_gc": True, "/generate": False, "/encode": False,
+                "/v1/chat/completions": False, "/v1/systemone": False}
+_warmup_running = False
 _current: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("agentcache_identity", default=None)
 
 
@@ -107,9 +109,6 @@ trust = Trust(os.environ.get(AUDIT_LOG_ENV))
 def configure(server_args) -> None:
     """Load the tenants file for this server (BEFORE ``launch_server``); a bad file stops start-up."""
     global tenancy
-    host = getattr(server_args, "host", None)
-    if host and host not in ("0.0.0.0", "::"):
-        _warmup_hosts.add(host)
     tenancy = Tenancy.from_env(server_args.model_path, getattr(server_args, "tokenizer_path", None),
                                getattr(server_args, "revision", None))
     if tenancy is not None:
@@ -180,7 +179,7 @@ class TenancyMiddleware:
             identity = tenancy.authenticate(key)
             refusal = None
             if identity is None and kind_of_scope == "http" and _is_warmup(scope, path):
-                identity = Identity(None, admin=path != "/generate")  # system namespace, no hints
+                identity = Identity(None, admin=WARMUP_PATHS[path])
             elif identity is None:
                 refusal = (401, "no_key" if key is None else "bad_key",
                            "a valid API key is required (x-agentcache-key or Authorization: Bearer)")
@@ -203,22 +202,35 @@ class TenancyMiddleware:
 
 
 def _is_warmup(scope, path: str) -> bool:
-    global _warmup_allowance
-    client = scope.get("client") or ("", 0)
-    if _warmup_allowance > 0 and path in WARMUP_PATHS and client[0] in _warmup_hosts:
-        _warmup_allowance -= 1
-        return True
-    return False
+    """Whether this keyless request is SGLang's own warmup (see :data:`WARMUP_PATHS`)."""
+    if not _warmup_running or path not in WARMUP_PATHS:
+        return False
+    client, server = scope.get("client"), scope.get("server")
+    return bool(client and server) and from_this_process(tuple(client[:2]), tuple(server[:2]))
+
+
+def from_this_process(client: tuple, server: tuple) -> bool:
+    """Whether the TCP connection ``client`` -> ``server`` was opened by this process: one of our own
+    sockets has ``client`` as its local and ``server`` as its remote address. (A connection's address
+    pair is unique, and no other process can own our socket.)"""
+    import psutil
+
+    try:
+        connections = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.raddr and (c.laddr.ip, c.laddr.port) == client and (c.raddr.ip, c.raddr.port) == server
+               for c in connections)
 
 
 def around_warmup(original, *args, **kwargs):
-    """AROUND hook on SGLang's ``_wait_and_warmup``: admit its few keyless self-requests, then close."""
-    global _warmup_allowance
-    _warmup_allowance = WARMUP_REQUESTS if tenancy is not None else 0
+    """AROUND hook on SGLang's ``_wait_and_warmup``: its keyless self-requests are admitted while it runs."""
+    global _warmup_running
+    _warmup_running = tenancy is not None
     try:
         return original(*args, **kwargs)
     finally:
-        _warmup_allowance = 0
+        _warmup_running = False
 
 
 # ---- generation requests ----
