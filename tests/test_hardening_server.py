@@ -114,7 +114,26 @@ def _assert_alive(srv) -> None:
 
 GREEDY = {"max_new_tokens": 1, "temperature": 0.0}
 
-# ---- start-up (item 5) ----
+# ---- start-up (items 15, 5) ----
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    pytest.param(("--dp-size", "2"), {}, "does not support data parallelism", id="dp-2"),
+    pytest.param(("--tokenizer-worker-num", "2"), {}, "does not support --tokenizer-worker-num 2", id="workers-2"),
+])
+def test_unsupported_deployments_refuse_to_start_with_the_reason(tiny_model, tmp_path, args, env, needle):
+    """DP > 1 (each rank its own tree, control replies from the first rank only) and several tokenizer
+    workers (one process holds the coordinator and the tenancy state) stop start-up, saying why."""
+    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", extra_args=args, env=env)
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            srv.start(timeout=180)
+    finally:
+        srv.stop()
+    assert needle in (tmp_path / "sglang.log").read_text()
+
+
+# ---- start-up warmup (item 5) ----
 
 
 def test_start_up_warmup_is_never_starved_by_a_keyless_client(hserver):

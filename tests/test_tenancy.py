@@ -377,3 +377,16 @@ def test_a_connection_is_recognised_as_this_processs_own_and_no_other():
         finally:
             other.kill()
             other.wait()
+
+
+@pytest.mark.parametrize("backend, dp, attn_dp, workers, tenancy, refused", [
+    ("agentcache", 1, 1, 1, True, None), ("agentcache", 2, 1, 1, False, "data parallelism"),
+    ("agentcache", 1, 4, 1, False, "data parallelism"), ("agentcache", 1, 1, 2, False, "--tokenizer-worker-num 2"),
+    (None, 1, 1, 3, True, "tenancy"), (None, 2, 1, 1, True, None), (None, 2, 1, 4, False, None),
+])
+def test_unsupported_deployments_are_refused_only_when_they_use_the_plugin(backend, dp, attn_dp, workers, tenancy,
+                                                                          refused):
+    from sgl_agentcache.server.topology import refusal
+
+    reason = refusal(backend, dp, attn_dp, workers, tenancy)
+    assert (reason is None) if refused is None else (refused in reason)
