@@ -187,7 +187,8 @@ def test_completions_refuse_prompts_that_kill_sglang(hserver, prompt, needle):
 
 def test_valid_prompts_at_the_vocabulary_edges_still_generate(hserver):
     edges = [0, hserver.vocab_size - 1, 5]
-    status, reply = _call(hserver, "POST", "/generate", ACME_KEY, {"input_ids": [edges, [7]], "sampling_params": GREEDY})
+    body = {"input_ids": [edges, [7]], "sampling_params": GREEDY}
+    status, reply = _call(hserver, "POST", "/generate", ACME_KEY, body)
     assert status == 200 and len(reply) == 2, reply
     body = {"model": "default", "prompt": edges, "max_tokens": 1}
     assert _call(hserver, "POST", "/v1/completions", ACME_KEY, body)[0] == 200

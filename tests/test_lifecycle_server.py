@@ -133,7 +133,8 @@ def test_namespaces_that_once_joined_alike_stay_apart(server, tokens):
         body = {"input_ids": prefix, "sampling_params": GREEDY, **ns,
                 "kv_hints": lifecycle_envelope({"session": "joined"}, message_id=f"m-{time.monotonic_ns()}")}
         assert server.request("POST", "/generate", body)[0] == 200
-    status, closed = server.request("POST", "/agentcache/branch/close", {"session": "joined", "branch": "main", **first})
+    status, closed = server.request("POST", "/agentcache/branch/close",
+                                    {"session": "joined", "branch": "main", **first})
     assert status == 200 and not closed["already_closed"], closed
     fork = {"input_ids": prefix + tokens.ids(10), "sampling_params": GREEDY, **second,
             "kv_hints": lifecycle_envelope({"session": "joined", "branch": "w", "parent_branch": "main"},

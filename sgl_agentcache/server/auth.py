@@ -4,9 +4,9 @@ Active only when ``AGENTCACHE_TENANTS`` names a tenants file (see :mod:`sgl_agen
 
 - :class:`TenancyMiddleware` (pure ASGI, inside SGLang's own ``--api-key`` middleware) authenticates
   every request, HTTP or WebSocket: the key comes from ``x-agentcache-key``, or from
-  ``Authorization: Bearer`` when SGLang's ``--api-key`` is not in use. Public probes pass; tenant routes need a tenant key (401
-  without, 403 with an admin key); everything else needs an admin key. The identity is put in the ASGI
-  scope and in a context variable for the hooks below.
+  ``Authorization: Bearer`` when SGLang's ``--api-key`` is not in use. Public probes pass; tenant
+  routes need a tenant key (401 without, 403 with an admin key); everything else needs an admin key.
+  The identity is put in the ASGI scope and in a context variable for the hooks below.
 - :func:`bind_generate` (called by the ingress hook on ``TokenizerManager.generate_request``) overwrites
   ``extra_key`` / ``cache_salt`` with the tenant's namespace (a client value is counted and audited,
   never used), checks each lifecycle hint's session credential and clips its fields to the ceilings.

@@ -221,7 +221,7 @@ class PauseCoordinator:
         status, result = await self.send("expire", self._args(*key))
         self._count("deadline_expiries")
         self._emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
-        logger.info("agentcache: deadline of %s/%s passed: %s", key[1], key[2], result)
+        logger.info("agentcache: deadline of %s/%s passed: %s", session_label(key[1]), key[2], result)
 
     def stats(self, namespace: str | None = None) -> dict:
         """Everything, or (``namespace``) only what that namespace may see of its own pauses."""

@@ -235,9 +235,11 @@ async def _on_finish(gen, namespace: str, hint):
                                         deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
                                         resume_required=True, ceilings=ceilings)
             except Exception:  # noqa: BLE001 - a pause must never fail the call it follows
+                from sgl_agentcache.tenancy import session_label
+
                 logger.warning("agentcache: pause action of %s/%s failed (the HTTP server's coordinator is "
-                               "needed; in an Engine call the pause op directly)", hint.session, hint.branch,
-                               exc_info=True)
+                               "needed; in an Engine call the pause op directly)", session_label(hint.session),
+                               hint.branch, exc_info=True)
         yield item
 
 
