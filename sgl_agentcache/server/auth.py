@@ -149,7 +149,8 @@ async def _refuse(send, status: int, message: str) -> None:
 async def _refuse_websocket(receive, send, message: str) -> None:
     """Refuse a WebSocket before it is accepted: the server answers the handshake with HTTP 403."""
     await receive()  # the websocket.connect message, always the first
-    await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+    reason = message.encode()[:120].decode(errors="ignore")  # a close reason is at most 123 bytes
+    await send({"type": "websocket.close", "code": 1008, "reason": reason})
 
 
 class TenancyMiddleware:
