@@ -246,3 +246,11 @@ def split_namespace(namespace: str) -> tuple[str | None, str | None]:
     if len(parts) != 2:
         raise ValueError(f"not a namespace key: {namespace!r}")
     return parts[0] or None, parts[1] or None
+
+
+def namespace_salt(namespace: str) -> str | None:
+    """The ``cache_salt`` part of a :func:`namespace_key`; None if unset or ``namespace`` is not a key."""
+    try:
+        return split_namespace(namespace)[1]
+    except ValueError:
+        return None

@@ -16,6 +16,7 @@ from sgl_agentcache.lifecycle import (
     RecentBranches,
     eviction_rank,
     namespace_key,
+    namespace_salt,
     split_namespace,
 )
 
@@ -113,6 +114,8 @@ def test_namespace_keys_of_different_parts_never_collide():
     for bad in ("", "a", "a|b|c", "a\\x|b", "a|b\\"):
         with pytest.raises(ValueError):
             split_namespace(bad)
+        assert namespace_salt(bad) is None
+    assert namespace_salt(namespace_key("x|", "agentcache:acme:b")) == "agentcache:acme:b"
 
 
 PART = st.none() | st.text(alphabet=st.sampled_from("ab|\\:"), max_size=6)

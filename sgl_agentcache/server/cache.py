@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank,
-                                      namespace_key, split_namespace)
+                                      namespace_key, namespace_salt)
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
@@ -418,7 +418,7 @@ class AgentRadixCache(UnifiedRadixCache):
         """
         pauses = self.pauses
         branches = {b for b in (set(self.tree_core.owner_index) | set(self.seen) | set(pauses.host.entries)
-                                | set(pauses.records)) if split_namespace(b.namespace)[1] == salt}
+                                | set(pauses.records)) if namespace_salt(b.namespace) == salt}
         host_before = pauses.host.used_tokens
         freed = 0
         for branch in sorted(branches, key=lambda b: (b.namespace, b.session, b.branch)):
