@@ -18,9 +18,11 @@ the parent's; a child branch is never charged for them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Callable
 from enum import IntEnum
 from typing import NamedTuple
+
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 
 
 class NodeClass(IntEnum):
@@ -132,37 +134,59 @@ STABLE_STATE = NodeState(NodeClass.STABLE)
 UNTAGGED_PLAN = InsertPlan(own=UNTAGGED_STATE)
 
 
+#: Branches one namespace's sets remember (its least recently used are forgotten past it), and all
+#: namespaces' together (past it, the largest namespace's least recently used go).
+BRANCHES_PER_NAMESPACE = 16_384
+BRANCHES_TOTAL = 131_072
+
+
 class RecentBranches:
-    """A bounded set of branches (oldest forgotten first): the closed ones, the ones seen.
+    """A bounded set of branches: the closed ones, the ones seen.
 
     The closed set lets a request of a closed branch that finishes late be stamped terminated and
-    reclaimed at once instead of resurrecting the branch; the bound keeps a long-running server's
-    memory flat.
+    reclaimed at once instead of resurrecting the branch; the seen set lets a fork name its parent. The
+    bounds keep a long-running server's memory flat, and they are per namespace (a tenant): one
+    namespace's flood of branch names forgets only its own oldest, never another's (see
+    :class:`~sgl_agentcache.namespaced_lru.NamespacedLRU`). A branch for which ``retained`` holds (it
+    still owns tokens) is never forgotten.
     """
 
-    def __init__(self, limit: int = 65536, by_session: bool = False):
-        self.limit = limit
-        self._branches: OrderedDict[BranchKey, None] = OrderedDict()
+    def __init__(self, limit: int = BRANCHES_TOTAL, by_session: bool = False, *,
+                 namespace_limit: int = BRANCHES_PER_NAMESPACE, retained: Callable[[BranchKey], bool] | None = None):
+        self._branches: NamespacedLRU[BranchKey, None] = NamespacedLRU(limit, namespace_limit, retained=retained)
         self.version = 0  # changes with every add and discard: "has the set changed since?" in O(1)
         # session id -> its branches here (when asked for): a session close must not scan every branch.
         self._sessions: dict[str, dict[BranchKey, None]] | None = {} if by_session else None
 
+    @property
+    def limit(self) -> int:
+        """Branches remembered in all namespaces together."""
+        return self._branches.limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._branches.limit = value
+
+    @property
+    def namespace_limit(self) -> int:
+        return self._branches.namespace_limit
+
+    @namespace_limit.setter
+    def namespace_limit(self, value: int) -> None:
+        self._branches.namespace_limit = value
+
     def add(self, branch: BranchKey) -> None:
         self.version += 1
-        branches = self._branches
-        if branch in branches:
-            branches.move_to_end(branch)
-            return
-        branches[branch] = None
+        forgotten = self._branches.put(branch, None)
         if self._sessions is not None:
             self._sessions.setdefault(branch.session, {})[branch] = None
-        while len(branches) > self.limit:
-            self._unindex(branches.popitem(last=False)[0])
+            for old, _ in forgotten:
+                self._unindex(old)
 
     def discard(self, branch: BranchKey) -> None:
         self.version += 1
         if branch in self._branches:
-            del self._branches[branch]
+            self._branches.pop(branch)
             self._unindex(branch)
 
     def _unindex(self, branch: BranchKey) -> None:
@@ -185,9 +209,48 @@ class RecentBranches:
         return len(self._branches)
 
     def __iter__(self):
-        return iter(list(self._branches))
+        return iter(self._branches)
+
+
+def _escape(part: str | None) -> str:
+    return (part or "").replace("\\", "\\\\").replace("|", "\\|")
 
 
 def namespace_key(extra_key: str | None, cache_salt: str | None) -> str:
-    """The cache namespace of a tree path: SGLang's ``extra_key`` and ``cache_salt`` (either may be unset)."""
-    return f"{extra_key or ''}|{cache_salt or ''}"
+    """The cache namespace of a tree path: SGLang's ``extra_key`` and ``cache_salt`` (either may be unset).
+
+    Injective on what SGLang tells apart (it treats ``""`` as unset for both): the two parts are joined
+    by ``|`` after each has its ``\\`` and ``|`` escaped with a backslash, so ``("a|", "b")`` and
+    ``("a", "|b")`` are two namespaces. Parts without either character read as before (``"a|b"``;
+    ``"|"`` when both are unset). :func:`split_namespace` is the inverse.
+    """
+    return f"{_escape(extra_key)}|{_escape(cache_salt)}"
+
+
+def split_namespace(namespace: str) -> tuple[str | None, str | None]:
+    """``(extra_key, cache_salt)`` of a :func:`namespace_key` (unset parts are None); ``ValueError`` if
+    ``namespace`` is not one."""
+    parts, part, chars = [], [], iter(namespace)
+    for char in chars:
+        if char == "\\":
+            escaped = next(chars, None)
+            if escaped not in ("\\", "|"):
+                raise ValueError(f"not a namespace key: {namespace!r}")
+            part.append(escaped)
+        elif char == "|":
+            parts.append("".join(part))
+            part = []
+        else:
+            part.append(char)
+    parts.append("".join(part))
+    if len(parts) != 2:
+        raise ValueError(f"not a namespace key: {namespace!r}")
+    return parts[0] or None, parts[1] or None
+
+
+def namespace_salt(namespace: str) -> str | None:
+    """The ``cache_salt`` part of a :func:`namespace_key`; None if unset or ``namespace`` is not a key."""
+    try:
+        return split_namespace(namespace)[1]
+    except ValueError:
+        return None

@@ -29,8 +29,9 @@ def register() -> None:
     control.install()
     admission.install()
     if multiprocessing.parent_process() is None:
-        from sgl_agentcache.server import http, ingress
+        from sgl_agentcache.server import http, ingress, topology
 
+        topology.install()
         http.install()
         ingress.install()
     _registered = True

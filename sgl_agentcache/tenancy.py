@@ -58,17 +58,34 @@ MAX_TOMBSTONES = 100_000
 _TenantName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 _HASHED = re.compile(r"^sha256:[0-9a-f]{64}\Z")
-_SESSION = re.compile(r"^([0-9a-f]{8,64})\.([0-9]{1,12})\.([A-Za-z0-9_-]{22})\Z")
+#: A credential in its one canonical spelling: the expiry without leading zeros (``0001234`` would carry the
+#: same MAC as ``1234`` and verify as another session id, one that ``session/close`` never retired).
+_SESSION = re.compile(r"^([0-9a-f]{8,64})\.(0|[1-9][0-9]{0,11})\.([A-Za-z0-9_-]{22})\Z")
 _MAC_LABEL = b"sgl-agentcache session v1\x00"
+#: Anything shaped like a credential, canonical or not (what logs must never hold in full).
+_CREDENTIAL_LIKE = re.compile(r"^([0-9a-f]{8,64})\.[0-9]+\.[A-Za-z0-9_-]+\Z")
 
 #: Routes that need no key at all (SGLang's own probes: it never protects these either).
 PUBLIC_PREFIXES = ("/health", "/ready", "/metrics")
 DEFAULT_OPEN_PATHS = ("/v1/models", "/get_model_info", "/model_info")
 #: Routes that serve a tenant's own traffic (a tenant key, never an admin key). Everything else that is
 #: not public or open needs an admin key: deny by default.
+#: Every route of SGLang 0.5.23 that runs the model for its caller is listed (one rule: a tenant key
+#: generates on all of them, an admin key on none -- ``auth.bind_generate`` refuses an admin's
+#: generation whatever the route).
 TENANT_PATHS = ("/generate", "/encode", "/classify", "/v1/completions", "/v1/chat/completions",
-                "/v1/responses", "/v1/embeddings", "/v1/rerank", "/v1/score")
+                "/v1/responses", "/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v1/messages",
+                "/v1/messages/count_tokens", "/v1/tokenize", "/tokenize", "/v1/detokenize", "/detokenize",
+                "/v1/audio/transcriptions", "/v1/realtime", "/v1/decisions", "/v1/systemone", "/invocations",
+                "/vertex_generate", "/api/chat", "/api/generate")
 AGENTCACHE_ADMIN_PATHS = ("/agentcache/admin/", "/agentcache/check", "/agentcache/deletions", "/agentcache/fault")
+
+
+def session_label(session: str) -> str:
+    """What logs and error messages may show of a session: the id part of a credential (never its
+    expiry and MAC, which together are the secret), any other session id as it is."""
+    match = _CREDENTIAL_LIKE.match(session)
+    return match.group(1) if match else session
 
 
 class TenancyError(ValueError):
@@ -281,8 +298,8 @@ class Tenancy:
         if match is None:
             if not self.config.require_signed_sessions:
                 return
-            raise CredentialError(403, "unsigned_session", f"session {session[:40]!r} is not a credential issued "
-                                  "by this server (POST /agentcache/session/open)")
+            raise CredentialError(403, "unsigned_session", f"session {session_label(session)[:40]!r} is not a "
+                                  "credential issued by this server (POST /agentcache/session/open)")
         sid, expiry = match.group(1), int(match.group(2))
         if not hmac.compare_digest(match.group(3), self._mac(tenant, sid, expiry)):
             raise CredentialError(403, "forged_session", "session credential is not valid for this tenant")

@@ -63,7 +63,7 @@ from sgl_agentcache.hints import (
     parse_payload,
     parse_route_body,
 )
-from sgl_agentcache.lifecycle import namespace_key
+from sgl_agentcache.lifecycle import namespace_key, split_namespace
 
 pytestmark = pytest.mark.server
 
@@ -729,7 +729,7 @@ def model(server, prompts, request):
     m.seen.add(("|", f"{prefix}-p", "main"))
     yield m
     for namespace, session in sorted({(k[0], k[1]) for k in m.seen}):
-        extra_key, _, cache_salt = namespace.partition("|")
+        extra_key, cache_salt = split_namespace(namespace)
         body = {"session": session} | ({"extra_key": extra_key} if extra_key else {}) \
             | ({"cache_salt": cache_salt} if cache_salt else {})
         assert post_json(server, SESSION_CLOSE, body).status in (200, 404)

@@ -194,3 +194,18 @@ def test_snapshots_round_trip_through_msgspec():
     again = LatencyBook.from_snapshot(bsnap)
     assert again.snapshot() == book.snapshot()
     assert again.peek("t", "sandbox").tail() == book.peek("t", "sandbox").tail()
+
+
+def test_a_flood_of_tool_classes_never_evicts_another_tenants_model():
+    book = LatencyBook(limit=64, namespace_limit=16)
+    for _ in range(50):
+        book.observe("acme", "ci_run", 30.0)
+    learned = book.peek("acme", "ci_run").quantile(0.5)
+    for i in range(5000):
+        book.observe("globex", f"flood-{i}", 1.0)
+    assert ("acme", "ci_run") in book and book.peek("acme", "ci_run").quantile(0.5) == learned
+    assert sum(t == "globex" for (t, _), _ in book.items()) == 16 and len(book.items("acme")) == 1
+    for tenant in range(8):  # many tenants past the total: the largest give way, a small one never does
+        for i in range(16):
+            book.observe(f"t{tenant}", f"tool-{i}", 1.0)
+    assert ("acme", "ci_run") in book and len(book) == 64

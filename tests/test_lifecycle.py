@@ -15,6 +15,9 @@ from sgl_agentcache.lifecycle import (
     NodeState,
     RecentBranches,
     eviction_rank,
+    namespace_key,
+    namespace_salt,
+    split_namespace,
 )
 
 B = BranchKey("|", "s", "b")
@@ -100,3 +103,56 @@ def test_recent_branches_session_index_follows_the_set():
     assert len(recent.of_session("new")) == 3 and len(recent) == 3
     with pytest.raises(TypeError):
         RecentBranches().of_session("s")
+
+
+def test_namespace_keys_of_different_parts_never_collide():
+    """Tenancy off, a client picks both parts: ``("a|", "b")`` and ``("a", "|b")`` are two namespaces."""
+    assert namespace_key("a|", "b") != namespace_key("a", "|b")
+    assert namespace_key("a\\", "|b") != namespace_key("a", "\\|b")
+    assert namespace_key(None, None) == namespace_key("", "") == "|"  # SGLang reads "" as unset too
+    assert namespace_key("t1", None) == "t1|" and namespace_key(None, "agentcache:acme:b") == "|agentcache:acme:b"
+    for bad in ("", "a", "a|b|c", "a\\x|b", "a|b\\"):
+        with pytest.raises(ValueError):
+            split_namespace(bad)
+        assert namespace_salt(bad) is None
+    assert namespace_salt(namespace_key("x|", "agentcache:acme:b")) == "agentcache:acme:b"
+
+
+PART = st.none() | st.text(alphabet=st.sampled_from("ab|\\:"), max_size=6)
+
+
+@given(PART, PART, PART, PART)
+def test_namespace_key_is_injective_and_split_inverts_it(e1, s1, e2, s2):
+    key = namespace_key(e1, s1)
+    assert split_namespace(key) == (e1 or None, s1 or None)
+    if (e1 or None, s1 or None) != (e2 or None, s2 or None):
+        assert key != namespace_key(e2, s2)
+
+
+def test_a_namespace_flood_forgets_only_its_own_branches():
+    """Tenants share the bounded sets: one flooding branch names must not push another's out."""
+    recent = RecentBranches(limit=8, namespace_limit=6)
+    victim = BranchKey("|agentcache:acme:b", "s", "main")
+    recent.add(victim)
+    flood = [BranchKey("|agentcache:globex:b", "s", f"b{i}") for i in range(50)]
+    for key in flood:
+        recent.add(key)
+    assert victim in recent  # over the total, the largest namespace (the flooder's) gave way
+    assert [k for k in recent if k.namespace == flood[0].namespace] == flood[-6:]  # its own bound, newest kept
+    for i in range(7):  # a second tenant grows past its fair share of the total: it gives way, not the victim
+        recent.add(BranchKey("t3|", "s", f"x{i}"))
+    assert victim in recent and len(recent) <= 8
+
+
+def test_a_branch_that_holds_tokens_is_never_forgotten():
+    holding = {BranchKey("|", "s", "lead")}
+    recent = RecentBranches(limit=4, by_session=True, retained=holding.__contains__)
+    lead = BranchKey("|", "s", "lead")
+    recent.add(lead)
+    for i in range(20):
+        recent.add(BranchKey("|", "s", f"w{i}"))
+    assert lead in recent and len(recent) == 4 and lead in recent.of_session("s")
+    holding.clear()  # its tokens are gone: now it may be forgotten like any other
+    for i in range(4):
+        recent.add(BranchKey("|", "s", f"v{i}"))
+    assert lead not in recent and lead not in recent.of_session("s")

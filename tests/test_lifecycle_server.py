@@ -124,6 +124,28 @@ def test_close_hint_and_abort_terminate_the_branch(server, tokens):
     _assert_integrity(server)
 
 
+def test_namespaces_that_once_joined_alike_stay_apart(server, tokens):
+    """Tenancy off: ``extra_key="a|", cache_salt="b"`` and ``extra_key="a", cache_salt="|b"`` are two
+    namespaces, so closing one's branch leaves the other's open (a fork of it is still admitted)."""
+    prefix = tokens.ids(40)
+    first, second = {"extra_key": "ns-a|", "cache_salt": "b"}, {"extra_key": "ns-a", "cache_salt": "|b"}
+    for ns in (first, second):
+        body = {"input_ids": prefix, "sampling_params": GREEDY, **ns,
+                "kv_hints": lifecycle_envelope({"session": "joined"}, message_id=f"m-{time.monotonic_ns()}")}
+        assert server.request("POST", "/generate", body)[0] == 200
+    status, closed = server.request("POST", "/agentcache/branch/close",
+                                    {"session": "joined", "branch": "main", **first})
+    assert status == 200 and not closed["already_closed"], closed
+    fork = {"input_ids": prefix + tokens.ids(10), "sampling_params": GREEDY, **second,
+            "kv_hints": lifecycle_envelope({"session": "joined", "branch": "w", "parent_branch": "main"},
+                                           message_id=f"m-{time.monotonic_ns()}")}
+    status, reply = server.request("POST", "/generate", fork)
+    assert status == 200, reply
+    status, closed = server.request("POST", "/agentcache/session/close", {"session": "joined", **second})
+    assert status == 200 and closed["branches"] == 2, closed
+    _assert_integrity(server)
+
+
 def test_session_close_terminates_every_branch(server, tokens):
     prefix = tokens.ids(80)
     _gen(server, prefix, {"session": "whole"}, max_new_tokens=0)

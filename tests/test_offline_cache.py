@@ -194,13 +194,17 @@ def test_lifecycle_fork_is_charged_and_closed_exactly():
 
 def test_session_close_finds_every_branch_even_one_the_seen_set_forgot():
     """close_session looks branches up by session (never by scanning every branch ever seen); a branch
-    the bounded seen set has forgotten but that still owns nodes is found through the owner index."""
+    the bounded seen set has forgotten but that owns nodes is found through the owner index. (The set
+    never forgets a branch that owns tokens; these were forgotten while their requests ran, before
+    their first insert.)"""
     driver = OfflineDriver(pool_tokens=4096)
     cache = driver.cache
     cache.seen.limit = 1  # remember only the latest branch
+    reqs = []
     for i, (session, branch) in enumerate([("s", "main"), ("s", "w1"), ("other", "main")]):
         hint = {"session": session, "branch": branch}
-        req = driver.admit(f"r{i}", ids(100 * i, 40), kv_hints=lifecycle_envelope(hint, message_id=f"m{i}"))
+        reqs.append(driver.admit(f"r{i}", ids(100 * i, 40), kv_hints=lifecycle_envelope(hint, message_id=f"m{i}")))
+    for req in reqs:
         driver.extend(req, [450, 451])
         driver.finish(req)
     s_main, s_w1, other = BranchKey("|", "s", "main"), BranchKey("|", "s", "w1"), BranchKey("|", "other", "main")
@@ -223,4 +227,61 @@ def test_fork_of_unknown_parent_is_refused_before_allocating():
         driver.admit("orphan", ids(10, 40), kv_hints=hint)
     assert not driver.live
     assert driver.free_tokens() == driver.pool_tokens
+    assert_idle_ok(driver)
+
+
+def _hint(session: str, branch: str = "main", parent: str | None = None) -> dict:
+    payload = {"session": session, "branch": branch} | ({"parent_branch": parent} if parent else {})
+    return lifecycle_envelope(payload, message_id=f"m-{session}-{branch}")
+
+
+def _seen_without_tokens(driver, rid: str, session: str, branch: str, tenant: str) -> None:
+    """Admit a request of the branch and abort it before its first insert: seen, owning nothing."""
+    driver.abort(driver.admit(rid, ids(300, 8), kv_hints=_hint(session, branch), extra_key=tenant))
+
+
+@pytest.mark.parametrize("lead_owns_tokens", [True, False])
+def test_a_namespace_flooding_branch_names_never_makes_another_lose_its_lead(lead_owns_tokens):
+    """Issue #22: one namespace (tenant) flooding the bounded seen set used to evict another's lead, whose
+    next fork was then refused as a fork of an unknown parent. The bound is per namespace now, and a
+    branch that owns tokens is never forgotten at all."""
+    driver = OfflineDriver(pool_tokens=2048)
+    cache = driver.cache
+    cache.seen.limit = 8  # all namespaces together (the default holds 131,072 branches)
+    prefix = ids(0, 40)
+    if lead_owns_tokens:
+        lead = driver.admit("lead", prefix, kv_hints=_hint("task"), extra_key="acme")
+        driver.extend(lead, [450])
+        driver.finish(lead)
+    else:
+        _seen_without_tokens(driver, "lead", "task", "main", "acme")
+    for i in range(40):
+        _seen_without_tokens(driver, f"flood{i}", f"f{i}", "main", "globex")
+    assert len(cache.seen) <= 8
+    fork = driver.admit("fork", prefix + ids(100, 10), kv_hints=_hint("task", "w", "main"), extra_key="acme")
+    driver.finish(fork)
+    with driver.activated():
+        cache.close_session("acme|", "task")
+    assert_idle_ok(driver)
+
+
+def test_a_namespace_flooding_closes_never_revives_another_namespaces_closed_branch():
+    """A closed branch forgotten by the closed set would be revived by a late request of it: its tokens
+    would be cached as live history instead of born terminated and freed."""
+    driver = OfflineDriver(pool_tokens=2048)
+    cache = driver.cache
+    cache.closed.limit = cache.seen.limit = 8
+    _seen_without_tokens(driver, "old", "task", "old", "acme")
+    closed = BranchKey("acme|", "task", "old")
+    with driver.activated():
+        assert cache.close_branch(closed)["closed"]
+    for i in range(40):
+        _seen_without_tokens(driver, f"flood{i}", f"f{i}", "main", "globex")
+        with driver.activated():
+            cache.close_branch(BranchKey("globex|", f"f{i}", "main"))
+    assert closed in cache.closed and len(cache.closed) <= 8
+    late = driver.admit("late", ids(0, 40), kv_hints=_hint("task", "old"), extra_key="acme")
+    assert late.agentcache_plan.own.terminated
+    driver.finish(late)
+    assert cache.tree_core.owned_tokens(closed) == 0
     assert_idle_ok(driver)

@@ -40,6 +40,17 @@ def _stats(server):
     return stats
 
 
+def _events(server, until, timeout: float = 10.0) -> list[dict]:
+    """The event log's records once ``until(records)`` holds (a writer thread appends them, off the
+    request path, so the last ones may land a moment after the reply)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = [json.loads(line) for line in server.event_log.read_text().splitlines()]
+        if until(events) or time.monotonic() > deadline:
+            return events
+        time.sleep(0.05)
+
+
 def _check(server):
     status, report = server.request("GET", "/agentcache/check")
     assert status == 200 and report["ok"], report
@@ -86,7 +97,7 @@ def test_long_tailed_tool_is_offloaded_and_restored_exactly(server, tokens):
     after = _stats(server)
     assert after["pauses"]["restores"] >= 1 and after["pauses"]["host"]["used_tokens"] == 0
     _check(server)
-    events = [json.loads(line) for line in server.event_log.read_text().splitlines()]
+    events = _events(server, lambda ev: any(e["state"] == "restoring" and e["session"] == "tool" for e in ev))
     assert any(e["state"] == "tool_wait" and e["session"] == "tool" and e["action"] == "offload" for e in events)
     assert any(e["state"] == "restoring" and e["session"] == "tool" for e in events)
 
@@ -220,7 +231,7 @@ def test_event_log_follows_a_trajectory_to_its_end(server, tokens):
     body = {"input_ids": tokens.ids(60), "extra_key": "traj-ns", "sampling_params": {"max_new_tokens": 2},
             "kv_hints": lifecycle_envelope({"session": "traj2", "close": True}, message_id="m-close")}
     server.generate(body)
-    events = [json.loads(line) for line in server.event_log.read_text().splitlines()]
+    events = _events(server, lambda ev: any(e["state"] == "completed" and e["session"] == "traj2" for e in ev))
     states = [e["state"] for e in events if e["session"] == "traj"]
     assert states[0] == "tool_wait" and "restoring" in states and states[-1] == "completed", states
     assert any(e["state"] == "completed" and e["session"] == "traj2" and e["reason"] == "hint" for e in events)

@@ -116,6 +116,20 @@ def test_session_credentials(tenancy):
     assert replay.value.status == 403 and replay.value.reason == "closed_session"
 
 
+def test_a_credential_has_one_spelling(tenancy):
+    """An expiry with leading zeros carries the same MAC; it used to verify as another session id, one
+    that a close of the real session never retired."""
+    session, _, _ = tenancy.issue_session("acme", NOW, ttl_s=60)
+    sid, expiry, mac = session.split(".")
+    tenancy.tombstone("acme", session, NOW)
+    for variant in (f"{sid}.0{expiry}.{mac}", f"{sid}.00{expiry}.{mac}"):
+        with pytest.raises(CredentialError) as refused:
+            tenancy.verify_session("acme", variant, NOW)
+        assert refused.value.status == 403, variant
+    with pytest.raises(CredentialError, match="closed"):
+        tenancy.verify_session("acme", session, NOW)
+
+
 def test_session_lifetime_is_clipped_and_ids_fit_the_hint_grammar(tenancy):
     import re
 
@@ -180,6 +194,7 @@ def test_ceilings_clip_and_merge_with_defaults(tenancy):
     ("/generate", "tenant"), ("/v1/chat/completions", "tenant"), ("/agentcache/pause", "tenant"),
     ("/agentcache/stats", "any"), ("/agentcache/admin/purge", "admin"), ("/agentcache/check", "admin"),
     ("/flush_cache", "admin"), ("/abort_request", "admin"), ("/v1/responses/abc", "admin"), ("/anything", "admin"),
+    ("/v1/messages", "tenant"), ("/v1/realtime", "tenant"), ("/invocations", "tenant"),
 ])
 def test_routes_are_denied_unless_classified(tenancy, path, kind):
     assert tenancy.route_kind(path) == kind
@@ -241,3 +256,137 @@ def test_the_tenant_key_header_wins_over_sglangs_bearer():
     assert _presented_key(both) == "tenant-key"
     assert _presented_key([(b"authorization", b"Bearer tenant-key")]) == "tenant-key"
     assert _presented_key([(b"authorization", b"Basic abc")]) is None and _presented_key([]) is None
+
+
+def test_admin_keys_never_generate_whatever_the_route(bound, tenancy):
+    """One rule: a generation with an admin identity is refused where every generation passes, so a
+    route missing from the tenant list cannot become an admin's way to generate."""
+    obj = SimpleNamespace(input_ids=[5, 6], extra_key=None, cache_salt=None, kv_hints=None)
+    request = SimpleNamespace(scope={"agentcache.identity": Identity(None, admin=True)},
+                              url=SimpleNamespace(path="/some/new/generation/route"))
+    with pytest.raises(CredentialError) as refused:
+        bound.bind_generate(obj, request)
+    assert refused.value.status_code == 403 and obj.cache_salt is None
+    assert bound.trust.rejected == {"admin_on_tenant_route": 1}
+
+
+def test_logs_show_a_credential_by_its_id_only(tenancy):
+    session, expiry, _ = tenancy.issue_session("acme", NOW, ttl_s=60)
+    sid, _, mac = session.split(".")
+    assert tn.session_label(session) == sid and tn.session_label(f"{sid}.0{expiry}.{mac}") == sid
+    assert tn.session_label("task-42") == "task-42"
+    with pytest.raises(CredentialError) as refused:
+        tenancy.verify_session("acme", f"{sid}.0{expiry}.{mac}", NOW)
+    assert mac not in str(refused.value) and str(expiry) not in str(refused.value)
+
+
+def test_audit_records_keep_a_bounded_piece_of_client_text(tmp_path):
+    from sgl_agentcache.server import auth
+
+    trust = auth.Trust(str(tmp_path / "audit.jsonl"))
+    trust.reject("no_key", tenant=None, path="/" + "p" * 10_000, message="m" * 10_000)
+    assert trust.audit.flush(5.0)
+    record = json.loads((tmp_path / "audit.jsonl").read_text())
+    assert len(record["path"]) < auth.MAX_LOGGED_CHARS + 32 and record["path"].endswith("(+9745 chars)")
+    assert len(record["message"]) < auth.MAX_LOGGED_CHARS + 32
+
+
+# ---- the middleware on every ASGI scope type (in process: this environment's uvicorn has no WebSocket
+# implementation installed, so a real server here refuses every upgrade itself) ----
+
+
+@pytest.fixture
+def guarded_app(bound):
+    """A Starlette app with an HTTP and two WebSocket routes, behind the real TenancyMiddleware."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.testclient import TestClient
+
+    async def reached(websocket):
+        await websocket.accept()
+        await websocket.send_text("reached")
+        await websocket.close()
+
+    app = Starlette(routes=[Route("/generate", lambda request: PlainTextResponse("ok"), methods=["POST"]),
+                            WebSocketRoute("/v1/realtime", reached), WebSocketRoute("/ws/debug", reached)])
+    app.add_middleware(bound.TenancyMiddleware)
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("path, key, admitted", [
+    ("/v1/realtime", None, False), ("/v1/realtime", "ak-not-a-key-000000000", False),
+    ("/v1/realtime", ADMIN, False), ("/v1/realtime", ACME, True),
+    ("/ws/debug", None, False), ("/ws/debug", ACME, False), ("/ws/debug", ADMIN, True),  # unclassified: admin
+])
+def test_websockets_are_authenticated_like_http(guarded_app, bound, path, key, admitted):
+    """Issue #22: the middleware passed every non-HTTP scope through, so a WebSocket route reached the
+    model with no key at all."""
+    from starlette.websockets import WebSocketDisconnect
+
+    headers = {"x-agentcache-key": key} if key else {}
+    if admitted:
+        with guarded_app.websocket_connect(path, headers=headers) as ws:
+            assert ws.receive_text() == "reached"
+        return
+    with pytest.raises(WebSocketDisconnect) as refused:
+        with guarded_app.websocket_connect(path, headers=headers) as ws:
+            ws.receive_text()
+    assert refused.value.code == 1008
+    assert sum(bound.trust.rejected.values()) == 1
+
+
+def test_unknown_scope_types_are_never_passed_on(bound):
+    import asyncio
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["type"])
+
+    middleware = bound.TenancyMiddleware(app)
+    for kind in ("webtransport", "lifespan"):
+        asyncio.run(middleware({"type": kind}, None, None))
+    assert reached == ["lifespan"]
+
+
+def test_a_connection_is_recognised_as_this_processs_own_and_no_other():
+    """The warmup check: a keyless request is SGLang's warmup only if its TCP client end is one of this
+    process's own sockets; a client in another process (any local user) never is."""
+    import socket
+    import subprocess
+    import sys
+
+    from sgl_agentcache.server.auth import from_this_process
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = listener.getsockname()[:2]
+        with socket.create_connection(server) as ours:
+            accepted, client = listener.accept()
+            with accepted:
+                assert from_this_process(client[:2], server)
+        other = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; "
+                                  f"s = socket.create_connection(('127.0.0.1', {server[1]})); "
+                                  "sys.stdout.write('x'); sys.stdout.flush(); time.sleep(30)"],
+                                 stdout=subprocess.PIPE)
+        try:
+            assert other.stdout.read(1) == b"x"
+            accepted, client = listener.accept()
+            with accepted:
+                assert not from_this_process(client[:2], server)
+        finally:
+            other.kill()
+            other.wait()
+
+
+@pytest.mark.parametrize("backend, dp, attn_dp, workers, tenancy, refused", [
+    ("agentcache", 1, 1, 1, True, None), ("agentcache", 2, 1, 1, False, "data parallelism"),
+    ("agentcache", 1, 4, 1, False, "data parallelism"), ("agentcache", 1, 1, 2, False, "--tokenizer-worker-num 2"),
+    (None, 1, 1, 3, True, "tenancy"), (None, 2, 1, 1, True, None), (None, 2, 1, 4, False, None),
+])
+def test_unsupported_deployments_are_refused_only_when_they_use_the_plugin(backend, dp, attn_dp, workers, tenancy,
+                                                                          refused):
+    from sgl_agentcache.server.topology import refusal
+
+    reason = refusal(backend, dp, attn_dp, workers, tenancy)
+    assert (reason is None) if refused is None else (refused in reason)

@@ -23,13 +23,13 @@ uniform u.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping
 from functools import lru_cache
 
 import msgspec
 
 from sgl_agentcache.policy.calibration import CalibrationState, CalibrationStats
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.distributions import LogNormal, remaining_wait, resume_within
 
 __all__ = ["BookEntry", "BookSnapshot", "LatencyBook", "LatencyConfig", "LatencyModel", "LatencySnapshot"]
@@ -226,26 +226,46 @@ class BookSnapshot(msgspec.Struct, frozen=True):
     config: LatencyConfig
     limit: int
     forgotten: int
-    entries: list[BookEntry]  # least recently used first
+    entries: list[BookEntry]  # namespace by namespace, least recently used first within each
+    namespace_limit: int | None = None  # None: ``limit`` (snapshots written before the per-namespace bound)
+
+
+#: Tool classes one namespace (tenant) may have models for, and all namespaces together.
+MODELS_PER_NAMESPACE = 256
+MODELS_TOTAL = 4096
 
 
 class LatencyBook:
-    """Latency models keyed by (tenant, tool class), at most ``limit`` of them (least recently used
-    forgotten first): tool classes come from clients, so the key space must not grow without bound.
+    """Latency models keyed by (namespace, tool class), bounded per namespace: tool classes come from
+    clients, so the key space must not grow without bound, and one tenant's flood of distinct classes
+    must not evict another tenant's learned models. A namespace keeps at most ``namespace_limit`` models
+    (its least recently used forgotten first); past ``limit`` for all of them together, the largest
+    namespace's least recently used goes (see :class:`~sgl_agentcache.namespaced_lru.NamespacedLRU`).
 
     ``priors`` optionally gives a tool class its own cold-start prior (say 20 ms for ``local_read``,
     a minute for ``human_approval``); every other class starts from the config's prior.
     """
 
-    def __init__(self, config: LatencyConfig | None = None, limit: int = 4096,
-                 priors: Mapping[str, LogNormal] | None = None):
+    def __init__(self, config: LatencyConfig | None = None, limit: int = MODELS_TOTAL,
+                 priors: Mapping[str, LogNormal] | None = None, namespace_limit: int | None = MODELS_PER_NAMESPACE):
         if limit < 1:
             raise ValueError("LatencyBook limit must be >= 1")
         self.config = config or LatencyConfig()
-        self.limit = limit
         self.priors = dict(priors or {})
-        self.forgotten = 0
-        self._models: OrderedDict[tuple[str, str], LatencyModel] = OrderedDict()
+        self._models: NamespacedLRU[tuple[str, str], LatencyModel] = NamespacedLRU(limit, namespace_limit)
+
+    @property
+    def limit(self) -> int:
+        return self._models.limit
+
+    @property
+    def namespace_limit(self) -> int:
+        return self._models.namespace_limit
+
+    @property
+    def forgotten(self) -> int:
+        """Models dropped by a bound so far (a purge is not counted)."""
+        return self._models.forgotten
 
     def _fresh(self, tool_class: str) -> LatencyModel:
         return LatencyModel(self.config, self.priors.get(tool_class))
@@ -255,11 +275,10 @@ class LatencyBook:
         key = (tenant, tool_class)
         model = self._models.get(key)
         if model is None:
-            model = self._models[key] = self._fresh(tool_class)
-            while len(self._models) > self.limit:
-                self._models.popitem(last=False)
-                self.forgotten += 1
-        self._models.move_to_end(key)
+            model = self._fresh(tool_class)
+            self._models.put(key, model)
+        else:
+            self._models.touch(key)
         return model
 
     def peek(self, tenant: str, tool_class: str) -> LatencyModel:
@@ -272,10 +291,11 @@ class LatencyBook:
 
     def forget_namespace(self, tenant: str) -> int:
         """Drop every model learned for ``tenant`` (a purge); returns how many went."""
-        keys = [k for k in self._models if k[0] == tenant]
-        for key in keys:
-            del self._models[key]
-        return len(keys)
+        return len(self._models.pop_namespace(tenant))
+
+    def items(self, tenant: str | None = None) -> list[tuple[tuple[str, str], LatencyModel]]:
+        """((namespace, tool class), model) pairs: every namespace's, or ``tenant``'s only."""
+        return self._models.items() if tenant is None else self._models.namespace_items(tenant)
 
     def __len__(self) -> int:
         return len(self._models)
@@ -285,12 +305,13 @@ class LatencyBook:
 
     def snapshot(self) -> BookSnapshot:
         return BookSnapshot(self.config, self.limit, self.forgotten,
-                            [BookEntry(t, c, m.snapshot()) for (t, c), m in self._models.items()])
+                            [BookEntry(t, c, m.snapshot()) for (t, c), m in self._models.items()],
+                            self.namespace_limit)
 
     @classmethod
     def from_snapshot(cls, snap: BookSnapshot, priors: Mapping[str, LogNormal] | None = None) -> "LatencyBook":
-        book = cls(snap.config, snap.limit, priors)
-        book.forgotten = snap.forgotten
+        book = cls(snap.config, snap.limit, priors, namespace_limit=snap.namespace_limit)
         for e in snap.entries:
-            book._models[(e.tenant, e.tool_class)] = LatencyModel.from_snapshot(e.model)
+            book._models.put((e.tenant, e.tool_class), LatencyModel.from_snapshot(e.model))
+        book._models.forgotten = snap.forgotten
         return book

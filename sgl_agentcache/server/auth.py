@@ -3,10 +3,10 @@
 Active only when ``AGENTCACHE_TENANTS`` names a tenants file (see :mod:`sgl_agentcache.tenancy`).
 
 - :class:`TenancyMiddleware` (pure ASGI, inside SGLang's own ``--api-key`` middleware) authenticates
-  every request: the key comes from ``x-agentcache-key``, or from ``Authorization: Bearer`` when
-  SGLang's ``--api-key`` is not in use. Public probes pass; tenant routes need a tenant key (401
-  without, 403 with an admin key); everything else needs an admin key. The identity is put in the ASGI
-  scope and in a context variable for the hooks below.
+  every request, HTTP or WebSocket: the key comes from ``x-agentcache-key``, or from
+  ``Authorization: Bearer`` when SGLang's ``--api-key`` is not in use. Public probes pass; tenant
+  routes need a tenant key (401 without, 403 with an admin key); everything else needs an admin key.
+  The identity is put in the ASGI scope and in a context variable for the hooks below.
 - :func:`bind_generate` (called by the ingress hook on ``TokenizerManager.generate_request``) overwrites
   ``extra_key`` / ``cache_salt`` with the tenant's namespace (a client value is counted and audited,
   never used), checks each lifecycle hint's session credential and clips its fields to the ceilings.
@@ -33,13 +33,15 @@ _SCOPE_KEY = "agentcache.identity"
 
 #: The server's tenancy (None: tenancy off). Set once, in the HTTP process, before the app serves.
 tenancy: Tenancy | None = None
-#: Keyless loopback calls still admitted for SGLang's own start-up warmup (which sends no tenant key):
-#: a few ``/generate`` and its closing ``/freeze_gc``. Non-zero only while the warmup runs (the server
-#: is not "up" yet); generations run in the system namespace and may carry no hints.
-_warmup_allowance = 0
-WARMUP_REQUESTS = 4
-WARMUP_PATHS = ("/generate", "/freeze_gc")
-_warmup_hosts = {"127.0.0.1", "::1"}  # plus the server's own address when it binds one interface
+#: SGLang's start-up warmup calls its own server without a tenant key: ``/model_info``, one generation
+#: (``/generate``; ``/encode``, ``/v1/chat/completions`` or ``/v1/systemone`` for other models) and
+#: ``/freeze_gc``. While it runs (the server is not "up" yet), a keyless request to one of these paths is
+#: admitted only if it comes from this very process -- a TCP connection whose client end is one of our
+#: own sockets -- so no other client can pass for the warmup or use up its admission. Path -> whether the
+#: warmup's identity there is an operator's (the generations run in the system namespace, without hints).
+WARMUP_PATHS = {"/model_info": True, "/freeze_gc": True, "/generate": False, "/encode": False,
+                "/v1/chat/completions": False, "/v1/systemone": False}
+_warmup_running = False
 _current: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("agentcache_identity", default=None)
 
 
@@ -47,7 +49,7 @@ class Trust:
     """Counters and the audit log of refused and clipped hints (HTTP process)."""
 
     def __init__(self, audit_path: str | None = None):
-        from sgl_agentcache.server.coordinator import EventLog
+        from sgl_agentcache.server.event_log import EventLog
 
         self.audit = EventLog(audit_path, kind_key="event")
         self.rejected: dict[str, int] = {}
@@ -64,19 +66,20 @@ class Trust:
 
     def reject(self, reason: str, *, tenant: str | None, path: str, message: str = "") -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        self.audit.emit("rejected", {"tenant": tenant}, reason=reason, path=path, message=message)
+        self.audit.emit("rejected", {"tenant": tenant}, reason=reason, path=_logged(path),
+                        message=_logged(message))
         if self._prom():
             self._metrics.rejected.labels(reason).inc()
 
     def clip(self, tenant: str, field: str, asked, granted, *, path: str) -> None:
         self.clipped[field] = self.clipped.get(field, 0) + 1
-        self.audit.emit("clipped", {"tenant": tenant}, field=field, asked=asked, granted=granted, path=path)
+        self.audit.emit("clipped", {"tenant": tenant}, field=field, asked=asked, granted=granted, path=_logged(path))
         if self._prom():
             self._metrics.clipped.labels(field).inc()
 
     def note_overwrite(self, tenant: str | None, path: str) -> None:
         self.overwritten += 1
-        self.audit.emit("namespace_overwritten", {"tenant": tenant}, path=path)
+        self.audit.emit("namespace_overwritten", {"tenant": tenant}, path=_logged(path))
         if self._prom():
             self._metrics.rejected.labels("namespace_overwritten").inc()
 
@@ -86,7 +89,18 @@ class Trust:
     def stats(self) -> dict:
         return {"rejected": dict(self.rejected), "clipped": dict(self.clipped),
                 "namespace_overwritten": self.overwritten, "audit_log": self.audit.path,
-                "audit_events": self.audit.written}
+                "audit_events": self.audit.written, "audit_dropped": self.audit.dropped + self.audit.failed}
+
+
+#: Characters of a request path (or message) the audit log keeps: a client chooses them, and a 401
+#: costs it nothing, so 8 KiB paths must not become 8 KiB audit lines.
+MAX_LOGGED_CHARS = 256
+
+
+def _logged(text: str) -> str:
+    if len(text) <= MAX_LOGGED_CHARS:
+        return text
+    return f"{text[:MAX_LOGGED_CHARS]}...(+{len(text) - MAX_LOGGED_CHARS} chars)"
 
 
 trust = Trust(os.environ.get(AUDIT_LOG_ENV))
@@ -95,9 +109,6 @@ trust = Trust(os.environ.get(AUDIT_LOG_ENV))
 def configure(server_args) -> None:
     """Load the tenants file for this server (BEFORE ``launch_server``); a bad file stops start-up."""
     global tenancy
-    host = getattr(server_args, "host", None)
-    if host and host not in ("0.0.0.0", "::"):
-        _warmup_hosts.add(host)
     tenancy = Tenancy.from_env(server_args.model_path, getattr(server_args, "tokenizer_path", None),
                                getattr(server_args, "revision", None))
     if tenancy is not None:
@@ -135,15 +146,29 @@ async def _refuse(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _refuse_websocket(receive, send, message: str) -> None:
+    """Refuse a WebSocket before it is accepted: the server answers the handshake with HTTP 403."""
+    await receive()  # the websocket.connect message, always the first
+    reason = message.encode()[:120].decode(errors="ignore")  # a close reason is at most 123 bytes
+    await send({"type": "websocket.close", "code": 1008, "reason": reason})
+
+
 class TenancyMiddleware:
-    """Authenticate and authorise every HTTP request against :data:`tenancy` (see module docstring)."""
+    """Authenticate and authorise every request against :data:`tenancy` (see module docstring): HTTP and
+    WebSocket scopes alike (``/v1/realtime`` is a WebSocket). ``lifespan`` is the server's own; any other
+    scope type is never passed on."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or tenancy is None or scope.get("method") == "OPTIONS":
+        kind_of_scope = scope["type"]
+        if tenancy is None or kind_of_scope == "lifespan" or (kind_of_scope == "http"
+                                                               and scope.get("method") == "OPTIONS"):
             return await self.app(scope, receive, send)
+        if kind_of_scope not in ("http", "websocket"):
+            logger.warning("agentcache: refused an ASGI scope of unknown type %r", kind_of_scope)
+            return None
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):  # a server behind --fastapi-root-path: classify the route itself
@@ -154,8 +179,8 @@ class TenancyMiddleware:
             key = _presented_key(scope.get("headers", []))
             identity = tenancy.authenticate(key)
             refusal = None
-            if identity is None and _is_warmup(scope, path):
-                identity = Identity(None, admin=path != "/generate")  # system namespace, no hints
+            if identity is None and kind_of_scope == "http" and _is_warmup(scope, path):
+                identity = Identity(None, admin=WARMUP_PATHS[path])
             elif identity is None:
                 refusal = (401, "no_key" if key is None else "bad_key",
                            "a valid API key is required (x-agentcache-key or Authorization: Bearer)")
@@ -166,6 +191,8 @@ class TenancyMiddleware:
             if refusal is not None:
                 status, reason, message = refusal
                 trust.reject(reason, tenant=identity.tenant if identity else None, path=path)
+                if kind_of_scope == "websocket":
+                    return await _refuse_websocket(receive, send, message)
                 return await _refuse(send, status, message)
         scope[_SCOPE_KEY] = identity
         token = _current.set(identity)
@@ -176,22 +203,35 @@ class TenancyMiddleware:
 
 
 def _is_warmup(scope, path: str) -> bool:
-    global _warmup_allowance
-    client = scope.get("client") or ("", 0)
-    if _warmup_allowance > 0 and path in WARMUP_PATHS and client[0] in _warmup_hosts:
-        _warmup_allowance -= 1
-        return True
-    return False
+    """Whether this keyless request is SGLang's own warmup (see :data:`WARMUP_PATHS`)."""
+    if not _warmup_running or path not in WARMUP_PATHS:
+        return False
+    client, server = scope.get("client"), scope.get("server")
+    return bool(client and server) and from_this_process(tuple(client[:2]), tuple(server[:2]))
+
+
+def from_this_process(client: tuple, server: tuple) -> bool:
+    """Whether the TCP connection ``client`` -> ``server`` was opened by this process: one of our own
+    sockets has ``client`` as its local and ``server`` as its remote address. (A connection's address
+    pair is unique, and no other process can own our socket.)"""
+    import psutil
+
+    try:
+        connections = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.raddr and (c.laddr.ip, c.laddr.port) == client and (c.raddr.ip, c.raddr.port) == server
+               for c in connections)
 
 
 def around_warmup(original, *args, **kwargs):
-    """AROUND hook on SGLang's ``_wait_and_warmup``: admit its few keyless self-requests, then close."""
-    global _warmup_allowance
-    _warmup_allowance = WARMUP_REQUESTS if tenancy is not None else 0
+    """AROUND hook on SGLang's ``_wait_and_warmup``: its keyless self-requests are admitted while it runs."""
+    global _warmup_running
+    _warmup_running = tenancy is not None
     try:
         return original(*args, **kwargs)
     finally:
-        _warmup_allowance = 0
+        _warmup_running = False
 
 
 # ---- generation requests ----
@@ -223,6 +263,7 @@ def bind_generate(obj, request=None) -> None:
         return
     identity = identity_of(request)
     path = getattr(getattr(request, "url", None), "path", "/generate")
+    refuse_admin_generation(identity, path)
     salt = bound_salt(identity)
     tenant = identity.tenant if identity is not None else None
     if hasattr(obj, "cache_salt"):
@@ -241,6 +282,15 @@ def bind_generate(obj, request=None) -> None:
     if hasattr(obj, "cache_salt"):
         obj.extra_key = None
         obj.cache_salt = salt
+
+
+def refuse_admin_generation(identity: Identity | None, path: str) -> None:
+    """One rule for every route that runs the model: a tenant key generates (in its namespace), an admin
+    key never does. Raise :class:`CredentialError` (403, audited) for an admin's generation."""
+    if tenancy is not None and identity is not None and identity.admin:
+        trust.reject("admin_on_tenant_route", tenant=None, path=path)
+        raise CredentialError(403, "admin_on_tenant_route", f"{_logged(path)} runs the model for a tenant; "
+                              "admin keys do not generate (use a tenant key)")
 
 
 def _values(value) -> list:

@@ -35,7 +35,8 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
-from sgl_agentcache.lifecycle import UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank, namespace_key
+from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank,
+                                      namespace_key, namespace_salt)
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
@@ -90,8 +91,11 @@ class AgentRadixCache(UnifiedRadixCache):
         pool = self.token_to_kv_pool_allocator.size if self.token_to_kv_pool_allocator is not None else 0
         self.branch_quota_tokens = int(os.environ.get(BRANCH_QUOTA_ENV, 0)) or max(pool // 4, 1)
         self.session_quota_tokens = int(os.environ.get(SESSION_QUOTA_ENV, 0)) or max(pool // 2, 1)
-        self.closed = RecentBranches()
-        self.seen = RecentBranches(by_session=True)
+        # Bounded per namespace; a branch that still holds tokens (tree, host tier, pause) is never forgotten.
+        holds = lambda b: (b in self.tree_core.owner_index or b in self.pauses.host.entries  # noqa: E731
+                           or b in self.pauses.records)
+        self.closed = RecentBranches(retained=holds)
+        self.seen = RecentBranches(by_session=True, retained=holds)
         self.scheduler = None  # set on the first request; read only by queue metrics
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
@@ -434,10 +438,9 @@ class AgentRadixCache(UnifiedRadixCache):
         in the tenant's own namespace as ordinary cache until evicted (purge again once the tenant is
         idle for a complete wipe). Deterministic on every rank: victims are ordered as in any reclaim.
         """
-        suffix = "|" + salt
         pauses = self.pauses
         branches = {b for b in (set(self.tree_core.owner_index) | set(self.seen) | set(pauses.host.entries)
-                                | set(pauses.records)) if b.namespace.endswith(suffix)}
+                                | set(pauses.records)) if namespace_salt(b.namespace) == salt}
         host_before = pauses.host.used_tokens
         freed = 0
         for branch in sorted(branches, key=lambda b: (b.namespace, b.session, b.branch)):

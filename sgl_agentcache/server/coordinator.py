@@ -15,16 +15,17 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
   the last window falls below ``AGENTCACHE_PREFETCH_MIN_LEAD_MS`` prefetch is refused here (the
   scheduler separately turns it off when its precision falls).
 
-Every state change is appended to a JSONL event log when ``AGENTCACHE_EVENT_LOG`` names a file:
+Every state change is appended to a JSONL event log when ``AGENTCACHE_EVENT_LOG`` names a file (by a
+writer thread: never on the event loop, see :mod:`~sgl_agentcache.server.event_log`):
 ``tool_wait`` (with the decision, retained tokens and bytes), ``restoring``/``decode`` (resume, with the
 restored tokens), ``completed`` (closed by the agent, with the route or a ``close`` hint) and
-``cancelled`` (deadline, or an aborted subagent), so tool wait is never counted as model latency.
+``cancelled`` (deadline, or an aborted subagent), so tool wait is never counted as model latency. A
+session credential appears there by its id part only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import statistics
@@ -37,6 +38,8 @@ import msgspec
 
 from sgl_agentcache.policy.distributions import LogNormal
 from sgl_agentcache.policy.latency import LatencyBook
+from sgl_agentcache.server.event_log import EventLog
+from sgl_agentcache.tenancy import session_label
 
 logger = logging.getLogger(__name__)
 MAX_RETENTION_ENV = "AGENTCACHE_MAX_RETENTION_S"
@@ -68,23 +71,6 @@ class _Active:
     nearly_done_at: float | None = None
 
 
-class EventLog:
-    """Append-only JSONL of trajectory states; a no-op without a path."""
-
-    def __init__(self, path: str | None, kind_key: str = "state"):
-        self.path = path
-        self.kind_key = kind_key
-        self.written = 0
-
-    def emit(self, state: str, branch: dict, **fields) -> None:
-        if not self.path:
-            return
-        record = {"ts": time.time(), self.kind_key: state, **branch, **fields}
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, default=str) + "\n")
-        self.written += 1
-
-
 @dataclass
 class PauseCoordinator:
     send: Send
@@ -110,6 +96,10 @@ class PauseCoordinator:
             self._metrics = CoordinatorMetrics() if metrics_enabled() else False
         if self._metrics:
             self._metrics.count(event)
+
+    def _emit(self, state: str, args: dict, **fields) -> None:
+        """An event log record; a session credential is logged by its id part only (never in full)."""
+        self.events.emit(state, args | {"session": session_label(args["session"])}, **fields)
 
     @staticmethod
     def _args(namespace: str, session: str, branch: str) -> dict:
@@ -148,7 +138,7 @@ class PauseCoordinator:
         if result.get("paused"):
             active = self.active[key] = _Active(tool_class, self.clock())
             active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
-        self.events.emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
+        self._emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
                          retained_tokens=result.get("tokens"), reason=result.get("reason"),
                          deadline_s=deadline_s)
         return status, result | {"deadline_s": deadline_s}
@@ -166,11 +156,11 @@ class PauseCoordinator:
             self._count("resumes_by_request" if by_request else "resumes")
         if by_request:  # the scheduler restores as it admits the request; nothing to send
             if active is not None:
-                self.events.emit("restoring", self._args(*key), tool_class=active.tool_class, by="request")
+                self._emit("restoring", self._args(*key), tool_class=active.tool_class, by="request")
             return 200, {"resumed": active is not None}
         status, result = await self.send("resume", self._args(*key))
         if status == 200 and result.get("resumed"):
-            self.events.emit("decode", self._args(*key), restored_tokens=result.get("restored_tokens"),
+            self._emit("decode", self._args(*key), restored_tokens=result.get("restored_tokens"),
                              placement=result.get("placement"))
         return status, result
 
@@ -187,7 +177,7 @@ class PauseCoordinator:
         active.nearly_done_at = self.clock()
         caps = ceilings.caps() if ceilings is not None else {}
         status, result = await self.send("prefetch", self._args(*key) | ({"caps": caps} if caps else {}))
-        self.events.emit("restoring", self._args(*key), speculative=True,
+        self._emit("restoring", self._args(*key), speculative=True,
                          restored_tokens=result.get("restored_tokens"), expected_remaining_ms=expected_remaining_ms)
         return status, result
 
@@ -208,7 +198,7 @@ class PauseCoordinator:
         or ``cancelled`` (aborted); its timers go and the event log gets its final state."""
         self.forget(namespace, session, branch)
         args = {"namespace": namespace, "session": session} | ({"branch": branch} if branch is not None else {})
-        self.events.emit(state, args, reason=reason)
+        self._emit(state, args, reason=reason)
 
     def purge(self, namespace: str) -> int:
         """A tenant was purged: its timers and its learned tool latencies go. Returns pauses dropped."""
@@ -230,8 +220,8 @@ class PauseCoordinator:
         self.active.pop(key, None)
         status, result = await self.send("expire", self._args(*key))
         self._count("deadline_expiries")
-        self.events.emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
-        logger.info("agentcache: deadline of %s/%s passed: %s", key[1], key[2], result)
+        self._emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
+        logger.info("agentcache: deadline of %s/%s passed: %s", session_label(key[1]), key[2], result)
 
     def stats(self, namespace: str | None = None) -> dict:
         """Everything, or (``namespace``) only what that namespace may see of its own pauses."""
@@ -239,10 +229,10 @@ class PauseCoordinator:
             return {"active_pauses": sum(k[0] == namespace for k in self.active),
                     "latency_models": {c: {"observations": m.observations, "p50_s": m.quantile(0.5),
                                            "p99_s": m.quantile(0.99)}
-                                       for (t, c), m in list(self.book._models.items()) if t == namespace}}
+                                       for (_, c), m in self.book.items(namespace)}}
         models = {f"{t}/{c}": {"observations": m.observations, "p50_s": m.quantile(0.5), "p99_s": m.quantile(0.99)}
-                  for (t, c), m in list(self.book._models.items())[-32:]}
+                  for (t, c), m in self.book.items()[-32:]}
         return {"active_pauses": len(self.active), **self.counters, "latency_models": models,
                 "prefetch_lead_median_s": statistics.median(self.leads) if self.leads else None,
                 "max_retention_s": self.max_retention_s, "event_log": self.events.path,
-                "events_written": self.events.written}
+                "events_written": self.events.written, "events_dropped": self.events.dropped + self.events.failed}

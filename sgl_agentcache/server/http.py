@@ -114,12 +114,15 @@ async def session_open(request: Request) -> JSONResponse:
     ref, error = await _body(request, SessionOpen)
     if error is not None:
         return error
-    identity = auth.identity_of(request)
-    session, expiry, clipped = auth.tenancy.issue_session(identity.tenant, time.time(), ref.ttl_s)
+    identity, now = auth.identity_of(request), time.time()
+    session, expiry, clipped = auth.tenancy.issue_session(identity.tenant, now, ref.ttl_s)
+    reply = {"session": session, "expires_at": expiry, "tenant": identity.tenant}
     if clipped:
-        auth.trust.clip(identity.tenant, "ttl_s", ref.ttl_s, expiry - int(time.time()), path=request.url.path)
+        granted = expiry - int(now)
+        auth.trust.clip(identity.tenant, "ttl_s", ref.ttl_s, granted, path=request.url.path)
+        reply["clipped"] = {"ttl_s": {"asked": ref.ttl_s, "granted": granted}}
     auth.trust.record("session_opened", identity.tenant, expires_at=expiry)
-    return JSONResponse({"session": session, "expires_at": expiry, "tenant": identity.tenant})
+    return JSONResponse(reply)
 
 
 @router.post("/branch/close")

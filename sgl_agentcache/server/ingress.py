@@ -9,12 +9,20 @@
 
 The scheduler parses the hint again from ``req.kv_hints`` (cheap) and falls back to untagged state if
 it were ever invalid there, so no request can crash a scheduler through a hint.
+
+Prompts are checked here too, because SGLang 0.5.23 lets through prompts that kill its scheduler (and
+with it every tenant's requests): a token id outside ``[0, vocab)`` (IndexError in the embedding), an
+empty prompt inside a batch (an assertion when its KV is released), a text prompt that tokenizes to no
+token (a reshape error). The client's token ids are checked before anything else, naming the field
+(``input_ids[1]``, ``prompt[0][7]``); every prompt is checked again once tokenized, whatever route it
+came by. Either is a 400 that nothing reaches a scheduler through.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from array import array
 
 from sgl_agentcache.hints import HINT_HEADER, HintError, find_lifecycle_hint, lifecycle_envelope, parse_header
 
@@ -74,13 +82,66 @@ def validate_request_hints(obj) -> None:
         raise ValueError(f"invalid kv_hints: nested deeper than {MAX_ENVELOPE_DEPTH} levels")
 
 
+#: The request field a route's token ids came from (for the error message); others say ``input_ids``.
+_IDS_FIELD = {"/v1/completions": "prompt", "/v1/embeddings": "input", "/v1/score": "items", "/v1/rerank": "documents"}
+
+
+def check_prompt_ids(ids, vocab_size: int, field: str = "input_ids") -> None:
+    """Raise ``ValueError`` (-> HTTP 400) naming the field unless ``ids`` is a non-empty list of token
+    ids in ``[0, vocab_size)``, or a non-empty batch of such lists. ``None`` (a text prompt) passes."""
+    if ids is None:
+        return
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"`{field}` must be a list of token ids")
+    if ids and isinstance(ids[0], (list, tuple)):
+        rows = [(f"{field}[{i}]", row) for i, row in enumerate(ids)]
+    else:
+        rows = [(field, ids)]
+    for name, row in rows:
+        if not isinstance(row, (list, tuple)):
+            raise ValueError(f"`{name}` must be a list of token ids")
+        if not row:
+            raise ValueError(f"`{name}` is empty: a prompt needs at least one token")
+        try:
+            tokens = array("q", row)  # C speed; refuses floats, strings and nested lists
+        except (TypeError, OverflowError):
+            raise ValueError(f"`{name}` must hold integer token ids") from None
+        if min(tokens) < 0 or max(tokens) >= vocab_size:
+            at = next(i for i, t in enumerate(tokens) if not 0 <= t < vocab_size)
+            raise ValueError(f"`{name}[{at}]` = {tokens[at]} is not a token id of this model "
+                             f"(its vocabulary is [0, {vocab_size}))")
+
+
+def _vocab_size(tokenizer_manager) -> int | None:
+    return getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
+
+
+def _before_validate_one_request(tokenizer_manager, obj, input_ids, *args, **kwargs):
+    """Every prompt once tokenized (text, chat templates, any route): never empty, never past the vocab.
+    Prompts given as token ids were checked at :func:`_before_generate_request` already; multimodal
+    prompts carry image pad values past the vocabulary on purpose, so only their length is checked."""
+    if input_ids is None or getattr(obj, "input_ids", None) is not None:
+        return None
+    if len(input_ids) == 0:
+        raise ValueError("the prompt is empty once tokenized: a prompt needs at least one token")
+    vocab = _vocab_size(tokenizer_manager)
+    contains_mm = getattr(obj, "contains_mm_input", None)
+    if vocab is not None and not (contains_mm is not None and contains_mm()):
+        check_prompt_ids(input_ids, vocab, "prompt (tokenized)")
+    return None
+
+
 def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
     from sgl_agentcache.server import auth
 
+    request = args[0] if args else kwargs.get("request")
+    vocab = _vocab_size(tokenizer_manager)
+    if vocab is not None:
+        path = getattr(getattr(request, "url", None), "path", None)
+        check_prompt_ids(getattr(obj, "input_ids", None), vocab, _IDS_FIELD.get(path, "input_ids"))
     if getattr(obj, "kv_hints", None):
         validate_request_hints(obj)
     # With tenancy: the tenant's namespace replaces the client's, credentials are checked, hints clipped.
-    request = args[0] if args else kwargs.get("request")
     auth.bind_generate(obj, request)
     queue_priority(tokenizer_manager, obj, request)
     if getattr(obj, "kv_hints", None):
@@ -174,13 +235,16 @@ async def _on_finish(gen, namespace: str, hint):
                                         deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
                                         resume_required=True, ceilings=ceilings)
             except Exception:  # noqa: BLE001 - a pause must never fail the call it follows
+                from sgl_agentcache.tenancy import session_label
+
                 logger.warning("agentcache: pause action of %s/%s failed (the HTTP server's coordinator is "
-                               "needed; in an Engine call the pause op directly)", hint.session, hint.branch,
-                               exc_info=True)
+                               "needed; in an Engine call the pause op directly)", session_label(hint.session),
+                               hint.branch, exc_info=True)
         yield item
 
 
 def _after_convert_to_internal_request(result, serving, request, raw_request=None, *args, **kwargs):
+    _refuse_admin_generation(raw_request)
     values = raw_request.headers.getlist(HINT_HEADER) if raw_request is not None else []
     if not values:
         return result
@@ -196,6 +260,23 @@ def _after_convert_to_internal_request(result, serving, request, raw_request=Non
     fields = {f: getattr(hint, f) for f in hint.__struct_fields__}
     adapted.kv_hints = lifecycle_envelope(fields, message_id=uuid.uuid4().hex)
     return adapted, original
+
+
+def _refuse_admin_generation(raw_request) -> None:
+    """The admin rule of ``auth.bind_generate``, checked early on the OpenAI-style routes (chat,
+    completions, and the Anthropic and SageMaker routes built on them) so that it is a 403 there too:
+    their handlers keep an ``HTTPException``'s status, a ``ValueError`` would become a 400."""
+    from sgl_agentcache.server import auth
+    from sgl_agentcache.tenancy import CredentialError
+
+    if auth.tenancy is None or raw_request is None:
+        return
+    try:
+        auth.refuse_admin_generation(auth.identity_of(raw_request), raw_request.url.path)
+    except CredentialError as exc:
+        from fastapi import HTTPException
+
+        raise HTTPException(status_code=exc.status, detail=str(exc)) from None
 
 
 def _check_header_credential(hint, raw_request) -> None:
@@ -224,3 +305,5 @@ def install() -> None:
                           _before_generate_request, HookType.BEFORE)
     for target in _CONVERTERS:
         HookRegistry.register(target, _after_convert_to_internal_request, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+                          _before_validate_one_request, HookType.BEFORE)
