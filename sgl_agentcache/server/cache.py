@@ -115,14 +115,12 @@ class AgentRadixCache(UnifiedRadixCache):
         self.spill = SpillTier(self, self.pauses.host, enabled=False)
         self.set_host_spill(spill)
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
-        # How leaves are ranked for eviction: "lifecycle" (ours, see eviction_rank). The replayer's
-        # baselines run the same cache with "lru" (stock order, pins still honoured) or "next_use"
-        # (furthest expected next use first, from ``next_use``: KVFlow-style, or Belady for the oracle).
-        self.ranking = "lifecycle"
+        # How leaves are ranked for eviction (smallest first): the lifecycle rank, unless a replayed
+        # baseline hands the cache its own key (set_eviction_key).
+        self.eviction_key = self._lifecycle_key
         # Inserts start at the request's locked node instead of re-walking its prefix from the root
         # (AgentTreeCore._skip_locked_prefix: same tree, same decisions). Off only to measure it.
         self.skip_locked_prefix = True
-        self.next_use: dict[BranchKey, float] = {}
         base = core.eviction_strategy
         core.eviction_strategy = _LifecycleStrategy(self, base)
         full = self.components[FULL]
@@ -134,30 +132,17 @@ class AgentRadixCache(UnifiedRadixCache):
         self.spill.enabled = enabled
         self.tree_core.node_removed = self.spill.on_node_removed if enabled or self.spill.lru else None
 
-    @property
-    def ranking(self) -> str:
-        return self._ranking
-
-    @ranking.setter
-    def ranking(self, name: str) -> None:
-        keys = {"lifecycle": self._lifecycle_key, "lru": self._lru_key, "next_use": self._next_use_key}
-        if name not in keys:
-            raise ValueError(f"unknown ranking {name!r}; known: {', '.join(keys)}")
-        self._ranking, self.eviction_key = name, keys[name]  # chosen once: eviction calls it per leaf
+    def set_eviction_key(self, key=None) -> None:
+        """Rank leaves for eviction with ``key(node, session_ref, base_priority) -> tuple`` (smallest
+        goes first; ``base_priority`` is the configured policy's, LRU by default) instead of the
+        lifecycle rank. For replayed baselines (``sgl_agentcache.sim.rankings``); None restores ours.
+        Called per candidate leaf on every eviction: keep it cheap and free of side effects."""
+        self.eviction_key = self._lifecycle_key if key is None else key
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
         state, pauses = node.agent, self.pauses
         return eviction_rank(state, session_ref, base_priority, state.owner in pauses.kept,
                              bool(pauses.anchors) and node in pauses.anchors)
-
-    def _lru_key(self, node, session_ref: int, base_priority) -> tuple:
-        return (node.agent.owner in self.pauses.kept, session_ref > 0, session_ref, base_priority)
-
-    def _next_use_key(self, node, session_ref: int, base_priority) -> tuple:
-        # Unowned (shared) nodes count as needed now; terminated ones as never.
-        state = node.agent
-        when = -1.0 if state.terminated else self.next_use.get(state.owner, 0.0) if state.owner else 0.0
-        return (state.owner in self.pauses.kept, -when if when >= 0 else float("-inf"), base_priority)
 
     # ---- inserts ----
 
@@ -228,6 +213,19 @@ class AgentRadixCache(UnifiedRadixCache):
             if spill.load_back(params.key, last, result.device_prefix_len):
                 result = super().match_prefix(params)
         return result
+
+    def load_spilled(self, key, *, evict: bool) -> int:
+        """Load spilled nodes continuing ``key`` now, ahead of its request (a prefetch); with
+        ``evict=False`` only into free memory. Returns the tokens that became device-resident."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        if not self.spill.lru:
+            return 0
+        result = super().match_prefix(MatchPrefixParams(key=key))
+        if result.device_prefix_len >= len(key):
+            return 0
+        last = self.tree_core.node_by_id(result.last_device_node)
+        return self.spill.load_back(key, last, result.device_prefix_len, evict=evict)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         # Runs for every insert (twice per request at least): the common case -- the request's plan

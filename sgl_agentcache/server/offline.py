@@ -402,7 +402,7 @@ class OfflineDriver:
             req.extend_end = self._chunk_end(req, max_prefill_tokens)
             self._alloc_for_extend(req)
 
-    def extend(self, req: OfflineReq, output_ids: Sequence[int]) -> None:
+    def extend(self, req: OfflineReq, output_ids: Sequence[int], *, batched_decode: bool = False) -> None:
         """Feed generated tokens, one forward step each.
 
         The first output token of a request is the result of its prefill forward: it is appended and
@@ -412,12 +412,28 @@ class OfflineDriver:
         server, the last output token never has KV: after ``n`` outputs the request holds
         ``len(prompt) + n - 1`` slots. Tokens are applied one by one; if a step cannot get a slot,
         :class:`OfflineOutOfMemory` is raised and the earlier tokens stay applied.
+
+        ``batched_decode`` (page size 1; the replayer, where nothing else touches the cache between one
+        request's decode steps): the decode slots are allocated in one call. The tree ends the same:
+        eviction frees whole leaves in rank order until the demand is met, so one demand of ``n``
+        slots evicts exactly the leaves ``n`` demands of one slot evict in turn.
         """
         with self.activated():
             self._require_live(req)
             if not req.prefill_done:
                 raise ValueError(f"request {req.rid!r} is still prefilling; use prefill_next_chunk")
-            for token in output_ids:
+            tokens = list(output_ids)
+            if batched_decode and self.page_size == 1 and tokens:
+                if not req.output_ids:
+                    req.output_ids.append(tokens.pop(0))
+                    checkpoint_kv_cache(req, self.cache)
+                    self.cache.flush_pending_backups()
+                if tokens:
+                    self._alloc_for_decode(req, len(tokens))
+                    req.output_ids.extend(tokens)
+                    self.cache.flush_pending_backups()
+                return
+            for token in tokens:
                 if not req.output_ids:
                     req.output_ids.append(token)
                     checkpoint_kv_cache(req, self.cache)
@@ -576,12 +592,25 @@ class OfflineDriver:
             req.cached_tokens += prefix_len - req.already_computed
             req.already_computed = seq_len
 
-    def _alloc_for_decode(self, req: OfflineReq) -> None:
-        """``alloc_for_decode`` for a batch of one: a slot for the decode input token at ``seq_len``."""
+    def _alloc_for_decode(self, req: OfflineReq, steps: int = 1) -> None:
+        """``alloc_for_decode`` for a batch of one: a slot for the decode input token at ``seq_len``
+        (``steps`` consecutive ones at once: page size 1 only, see ``extend``)."""
         cache, pool = self.cache, self.req_to_token_pool
         seq_len = req.kv.kv_committed_len
-        if seq_len + 1 > pool.max_context_len:
+        if seq_len + steps > pool.max_context_len:
             raise ValueError(f"request {req.rid!r} would exceed the row length {pool.max_context_len}")
+        if steps > 1:
+            self._ensure_allocatable(steps, f"decode steps of {req.rid!r}")
+            row = torch.tensor([req.kv.req_pool_idx], dtype=torch.int64)
+            positions = torch.arange(seq_len, seq_len + steps, dtype=torch.int64)
+            out_cache_loc = alloc_token_slots(cache, steps)
+            pool.write((row, positions), out_cache_loc.to(torch.int32))
+            pool.alloc_aux_to_lengths(req_pool_indices_cpu=row,
+                                      target_seq_lens_cpu=torch.tensor([seq_len + steps], dtype=torch.int64))
+            req.kv.kv_allocated_len += steps
+            req.kv.kv_committed_len += steps
+            req.decode_batch_idx += steps
+            return
         needed = 1 if self.page_size == 1 else (self.page_size if seq_len % self.page_size == 0 else 0)
         self._ensure_allocatable(needed, f"decode step of {req.rid!r}")
         row = torch.tensor([req.kv.req_pool_idx], dtype=torch.int64)

@@ -136,10 +136,11 @@ class SpillTier:
 
     # ---- host -> device ----
 
-    def load_back(self, key: RadixKey, last_device_node, device_prefix_len: int) -> int:
+    def load_back(self, key: RadixKey, last_device_node, device_prefix_len: int, *, evict: bool = True) -> int:
         """Copy back the longest chain of entries continuing ``key`` past ``device_prefix_len`` (the
         device match ending at ``last_device_node``) and insert it into the tree. Returns the tokens
-        that became device-resident past the old match (0: nothing found, no room, or a failed copy)."""
+        that became device-resident past the old match (0: nothing found, no room, or a failed copy).
+        Without ``evict`` (speculation) it only uses free device memory."""
         if not self.lru or device_prefix_len >= len(key):
             return 0
         chain, start, anchor = self._find_chain(key, last_device_node, device_prefix_len)
@@ -154,7 +155,7 @@ class SpillTier:
             short = n - allocator.available_size()
             # Evict only if that makes room: an eviction that still leaves too little frees KV other
             # requests may need and loads nothing (running requests hold the rest of the pool).
-            if 0 < short <= cache.evictable_size():
+            if evict and 0 < short <= cache.evictable_size():
                 cache.evict(EvictParams(num_tokens=short))
             new = allocator.alloc(n) if allocator.available_size() >= n else None
         finally:
@@ -284,11 +285,15 @@ class SpillTier:
 
     def _drop_tree(self, entry: SpillEntry, reason: str) -> int:
         """Drop ``entry`` and everything that hangs from it; returns the tokens freed."""
-        freed, stack = 0, [entry]
+        freed = 0
+        if entry in self.lru:
+            self._remove(entry)  # leaves its parent's (or anchor's) list, which stays intact
+            freed += len(entry)
+        stack, entry.children = entry.children, []
         while stack:
             e = stack.pop()
             stack.extend(e.children)
-            e.children = []
+            e.children, e.parent = [], None  # its parent is going too: no list to leave
             if e in self.lru:
                 self._remove(e)
                 freed += len(e)

@@ -1,98 +1,164 @@
-"""The replayer's policies: ours, the baselines B0-B5 and the clairvoyant oracle B6 (pure rules).
+"""The replayed systems: ours, the baselines B0-B5 and a clairvoyant heuristic (pure rules).
 
-Every policy runs the same cache code: SGLang's own ``UnifiedRadixCache`` for B0 and B5, our
-``AgentRadixCache`` for the rest, which differ only in
+Every system runs the same cache code on the same trace with the same device pool and the same host
+tier (``replay(..., host_tokens=)``): SGLang's own ``UnifiedRadixCache`` for B0 and B5 (*reference*
+systems: stock SGLang has no host tier, so they run with none, and B0 is the denominator of every
+ratio), our ``AgentRadixCache`` for the rest. They differ in
 
-- ``ranking``: how leaves are ordered for eviction ("lifecycle" ours; "lru" stock order; "next_use"
-  furthest expected next use first);
-- ``hints``: whether the lifecycle hints (stable prefix, fork point, close) and closes reach the cache
-  (baselines on our cache get session/branch ownership only, which they need to find a paused
-  branch's KV; quotas are ours, so baselines run without them);
-- ``on_pause``: what happens when a call ends in a tool call, as a :class:`PauseOrder` computed from
-  what that policy may know (:class:`PauseView`): the learned latency distribution for the realistic
-  policies, the trace's true duration and future for the oracle;
-- prefetch: when, if ever, a host copy is brought back ahead of the returning call.
+- ``ranking``: how leaves are ordered for eviction (``sgl_agentcache.sim.rankings``; None: ours, the
+  lifecycle rank);
+- ``hints``: whether lifecycle hints (stable prefix, fork point, close) and closes reach the cache
+  (the others get session/branch ownership only, which their pause rules need to find a paused
+  branch's KV); ``quotas`` are ours;
+- ``spill``: the node spill (HiCache write-back: evicted nodes to host, loaded back on a match) on the
+  host budget;
+- ``pause_rule``: what happens when a call ends in a tool call (:class:`PauseOrder`), from what the
+  system may know (:class:`PauseView`). Only a ``clairvoyant`` system is also handed the trace's
+  future (:class:`Future`): the replayer passes None to every other, so they cannot read it.
 
-The mechanisms follow ``docs/anchors.md``: InferCept's min-waste preserve / swap / discard (code form:
-preserve waste = remaining time x tokens, discard and swap waste = time x tokens of the running batch),
-Continuum's TTL ``tau* = argmax_{tau in {0} U observed} F(tau) * Benefit - tau`` and the public fork's
-fixed 2 s rule, KVFlow's steps-to-execution eviction with overlapped prefetch, HiCache's
-write-through with reactive load-back, and SGLang's session-radix soft protection.
+Mechanisms (``docs/anchors.md``; formulas checked against the papers and their public code):
+
+- B1 ``hicache``: SGLang HiCache's write-back on the same host budget, LRU on both tiers.
+- B2 ``infercept``: InferCept's min-waste rule with pipelined, budgeted swap (paper §4): a pause is
+  swapped (offloaded) while the swap budget -- what the host link moves while the GPU computes --
+  has room, else preserved or discarded, whichever wastes less memory-time (preserve: expected
+  remaining interception x tokens; discard with chunked recompute: ``C (C/2 + C_other) / prefill
+  rate``). The interception time is InferCept's online estimate (here the learned mean), never the
+  trace's.
+- B3 ``continuum``: Continuum's TTL, ``tau* = argmax_tau F(tau) (eta T + PrefillOrReload(r)) - tau``
+  (v6 Eq. 2: the cost of holding memory, ``MemUsage(r)/M x tau``, and both benefit terms carry the
+  same ``MemUsage(r)/M``, which cancels), with the per-tool empirical CDF after 100 samples, the global
+  one after 100 in all, else the Exp(1) cold start (``ln B`` when ``B > 1 s``); ``T`` the mean queueing
+  delay of returning calls that lost KV, ``eta = -Corr(k, N - k)`` over finished sessions. Expiry
+  unpins (back to LRU). With a host tier, evicted KV goes to host as in Continuum's evaluation
+  (LMCache DRAM offload) and PrefillOrReload is the reload time. ``continuum-2s`` is the public
+  fork's fixed rule (pin 2 s when the tool's running mean is at most 2 s).
+- B4 ``kvflow``: KVFlow's steps-to-execution eviction over its agent step graph (the trace's call
+  structure, ``sim/stepgraph.py``; no times) on HiCache write-back, with prefetch of the agents whose
+  next step is within ``load_ahead_step`` (2).
+- B5 ``session-radix``: SGLang's ``--enable-session-radix-cache`` soft protection (reference, no host).
+- ours: lifecycle rank, quotas and closes, our pause policy (learned latency distributions), the node
+  spill, and a prefetch at the tool class's learned median (into free memory only).
+- ``clairvoyant``: Belady on true next use, release of what is never used again, an exact prefetch one
+  transfer before the true return. A heuristic that reads the future, *not* a bound: the bound is the
+  LP in ``sim/bound.py``.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+import statistics
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from sgl_agentcache.policy.pause import PauseAction
-
-#: How early a "tool nearly done" signal reaches the server before the tool returns, for the policies
-#: that act on one (a harness-level estimate, e.g. a progress callback; oracle prefetch is exact).
-NEARLY_DONE_LEAD_S = 0.2
+from sgl_agentcache.sim.rankings import LruRanking, NextUseRanking, StepsRanking
 
 
 @dataclass(frozen=True)
 class PauseView:
-    """What a pause rule may look at (the oracle also reads ``true_*``)."""
+    """What a realistic pause rule may look at: the present and the past, never the trace's future."""
 
-    tokens: int  # movable suffix the cache reports
+    now: float  # replay time of the pause
+    tokens: int  # the movable suffix the cache reports
     latency: object  # learned LatencyModel of (tenant, tool class)
-    observations: list[float]  # durations seen so far for this (tenant, tool class)
+    observations: list[float]  # tool durations seen so far for this (tenant, tool class)
+    all_observations: list[float]  # durations seen so far for any tool of the tenant
     prefill_s: float  # re-prefilling the suffix
     transfer_s: float  # one-way host<->device copy of the suffix
-    running_tokens: int  # KV of requests in flight (InferCept's batch)
-    queue_s: float  # recent mean queueing delay of returning turns (Continuum's Q_evicted)
-    true_duration_s: float  # oracle only
-    resumes: bool  # oracle only: the branch has a next call
+    tokens_per_s_link: float  # what the host link moves per second (tokens)
+    running_tokens: int  # KV of requests in flight
+    queue_s: float  # mean queueing delay of recent returning calls that had lost KV
+    memoryfulness: float  # Continuum's eta from finished sessions (1 before there are any)
+    host_tokens: int  # host tier capacity (0: nothing can be offloaded)
+
+
+@dataclass(frozen=True)
+class Future:
+    """What the trace says will happen next: for clairvoyant rules only."""
+
+    wait_s: float  # until the branch's next call arrives
+    resumes: bool  # whether the branch has a next call at all
 
 
 @dataclass(frozen=True)
 class PauseOrder:
-    """A policy's answer at a pause: a forced action or the cache's own policy, and follow-ups."""
+    """A rule's answer at a pause: a forced action or the cache's own policy, and follow-ups."""
 
     action: PauseAction | None = None  # None with ``latency``: our policy decides with that distribution;
     latency: object | None = None      # None without it: nothing happens (the KV is left to eviction)
-    write_through: bool = False
-    unpin_after_s: float | None = None  # Continuum TTL: unpin (not discard) when it expires
-    prefetch_after_s: float | None = None  # issue a prefetch this long after the pause
-    next_use_in_s: float | None = None  # for "next_use" ranking
+    unpin_after_s: float | None = None  # a TTL pin: unpin (not discard) when it expires
+    prefetch_after_s: float | None = None  # bring the branch's KV back this long after the pause
+    prefetch_evicts: bool = False  # the prefetch may evict (else: free memory only)
+    next_use_in_s: float | None = None  # for NextUseRanking (clairvoyant)
 
 
 NOTHING = PauseOrder()
+
+
+class PauseRule(Protocol):
+    def __call__(self, view: PauseView, future: Future | None) -> PauseOrder: ...
 
 
 @dataclass(frozen=True)
 class ReplayPolicy:
     name: str
     label: str
-    stock: bool = False  # SGLang's own cache (B0, B5)
+    stock: bool = False  # SGLang's own cache (B0, B5): a reference system, no host tier
     session_radix: bool = False
-    ranking: str = "lifecycle"
+    ranking: type | None = None  # a class of sim.rankings (None: the lifecycle rank)
     hints: bool = False  # full lifecycle hints and closes
     quotas: bool = False
-    on_pause: Callable[[PauseView], PauseOrder] | None = None
+    spill: bool = False  # node spill on the host budget
+    clairvoyant: bool = False  # reads the trace's future
+    pause_rule: Callable[[], PauseRule] | None = None  # a factory: one rule (with its state) per run
+    steps: bool = False  # KVFlow's step graph drives ranking and prefetch
+
+    @property
+    def reference(self) -> bool:
+        """Stock SGLang: compared without a host tier (it has none)."""
+        return self.stock
 
 
-def _ours(view: PauseView) -> PauseOrder:
-    lead = max(view.true_duration_s - NEARLY_DONE_LEAD_S, 0.0)  # the harness says "nearly done"
-    return PauseOrder(latency=view.latency, prefetch_after_s=lead if view.true_duration_s > NEARLY_DONE_LEAD_S
-                      else None)
+# ---- ours ----
+
+class OursRule:
+    """Our pause policy decides (the cache's ``decide`` with the learned distribution); a prefetch at
+    the tool class's learned median, one transfer early, into free memory only."""
+
+    def __call__(self, view: PauseView, future: Future | None) -> PauseOrder:
+        median = view.latency.quantile(0.5)
+        return PauseOrder(latency=view.latency, prefetch_after_s=max(median - view.transfer_s, 0.0))
 
 
-def _write_through(view: PauseView) -> PauseOrder:
-    return PauseOrder(action=PauseAction.OFFLOAD, write_through=True)
+# ---- B2 InferCept ----
+
+class InferCeptRule:
+    """Min-waste with a pipelined swap budget (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.budget = 0.0  # tokens the link can still move without stalling compute
+        self.since = 0.0
+
+    def __call__(self, view: PauseView, future: Future | None) -> PauseOrder:
+        rate = view.tokens_per_s_link
+        self.budget = min(self.budget + (view.now - self.since) * rate, rate)  # refills, at most 1 s worth
+        self.since = view.now
+        c = view.tokens
+        if view.host_tokens > 0 and c <= self.budget:
+            self.budget -= c
+            return PauseOrder(action=PauseAction.OFFLOAD)
+        prefill_rate = c / view.prefill_s if view.prefill_s > 0 else math.inf
+        waste_preserve = view.latency.mean() * c
+        waste_discard = c * (c / 2 + view.running_tokens) / prefill_rate
+        return PauseOrder(action=PauseAction.KEEP if waste_preserve <= waste_discard else PauseAction.DISCARD)
 
 
-def _infercept(view: PauseView) -> PauseOrder:
-    """Min-waste (token-seconds of memory that serve no decoding): preserve, swap or discard."""
-    remaining = view.latency.mean()
-    batch = max(view.running_tokens, 1)
-    waste = {PauseAction.KEEP: remaining * view.tokens,
-             PauseAction.OFFLOAD: view.transfer_s * (batch + view.tokens),
-             PauseAction.DISCARD: view.prefill_s * (batch + view.tokens)}
-    return PauseOrder(action=min(waste, key=lambda a: (waste[a], a.value)))
+# ---- B3 Continuum ----
+
+#: Samples a CDF needs before Continuum trusts it (per tool, then over every tool).
+CONTINUUM_MIN_SAMPLES = 100
 
 
 def continuum_ttl(observations: list[float], benefit_s: float, cdf: Callable[[float], float]) -> float:
@@ -108,43 +174,58 @@ def continuum_ttl(observations: list[float], benefit_s: float, cdf: Callable[[fl
     return best
 
 
-def _continuum(view: PauseView) -> PauseOrder:
-    obs = view.observations[-1000:]
-    cdf = lambda t: sum(o <= t for o in obs) / len(obs)  # noqa: E731 - the empirical CDF
-    ttl = continuum_ttl(obs, view.queue_s + view.prefill_s, cdf)  # Benefit = eta * Q_evicted + prefill, eta = 1
-    return PauseOrder(action=PauseAction.KEEP, unpin_after_s=ttl) if ttl > 0.0 else NOTHING
+class ContinuumRule:
+    def __call__(self, view: PauseView, future: Future | None) -> PauseOrder:
+        reload_s = view.transfer_s if view.host_tokens > 0 else view.prefill_s
+        benefit = view.memoryfulness * view.queue_s + reload_s
+        if len(view.observations) > CONTINUUM_MIN_SAMPLES:
+            obs = view.observations
+        elif len(view.all_observations) > CONTINUUM_MIN_SAMPLES:
+            obs = view.all_observations
+        else:
+            obs = []
+        ordered = sorted(obs)
+        cdf = lambda t: bisect.bisect_right(ordered, t) / len(ordered)  # noqa: E731 - the empirical CDF
+        ttl = continuum_ttl(ordered, benefit, cdf)
+        return PauseOrder(action=PauseAction.KEEP, unpin_after_s=ttl) if ttl > 0.01 else NOTHING
 
 
-def _continuum_2s(view: PauseView) -> PauseOrder:
-    obs = view.observations[-32:]
-    average = sum(obs) / len(obs) if obs else math.inf
-    return PauseOrder(action=PauseAction.KEEP, unpin_after_s=2.0) if average <= 2.0 else NOTHING
+class ContinuumFixedRule:
+    """The public fork's rule: pin 2 s when the tool's running mean is at most 2 s (unseen: 0)."""
+
+    def __call__(self, view: PauseView, future: Future | None) -> PauseOrder:
+        obs = view.observations[-32:]
+        average = statistics.fmean(obs) if obs else 0.0
+        return PauseOrder(action=PauseAction.KEEP, unpin_after_s=2.0) if average <= 2.0 else NOTHING
 
 
-def _kvflow(view: PauseView) -> PauseOrder:
-    expected = view.latency.mean()
-    return PauseOrder(action=PauseAction.OFFLOAD, write_through=True, next_use_in_s=expected,
-                      prefetch_after_s=max(expected - view.transfer_s, 0.0))
+# ---- B6 clairvoyant ----
 
-
-def _oracle(view: PauseView) -> PauseOrder:
-    """Knows the future: drop what is never used again; otherwise keep a host copy as insurance,
-    let Belady (true next use) order the device, and restore exactly one transfer before the return."""
-    if not view.resumes:
-        return PauseOrder(action=PauseAction.RELEASE, next_use_in_s=math.inf)
-    return PauseOrder(action=PauseAction.OFFLOAD, write_through=True, next_use_in_s=view.true_duration_s,
-                      prefetch_after_s=max(view.true_duration_s - view.transfer_s, 0.0))
+class ClairvoyantRule:
+    def __call__(self, view: PauseView, future: Future | None) -> PauseOrder:
+        if future is None:
+            raise RuntimeError("the clairvoyant rule needs the future")
+        if not future.resumes:
+            return PauseOrder(action=PauseAction.RELEASE, next_use_in_s=math.inf)
+        return PauseOrder(next_use_in_s=future.wait_s, prefetch_after_s=max(future.wait_s - view.transfer_s, 0.0),
+                          prefetch_evicts=True)
 
 
 POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
-    ReplayPolicy("stock", "B0 SGLang LRU", stock=True),
-    ReplayPolicy("stock+host", "B1 LRU + host write-through", ranking="lru", on_pause=_write_through),
-    ReplayPolicy("infercept", "B2 InferCept min-waste", ranking="lru", on_pause=_infercept),
-    ReplayPolicy("continuum", "B3 Continuum TTL (CDF)", ranking="lru", on_pause=_continuum),
-    ReplayPolicy("continuum-2s", "B3' Continuum fixed 2 s", ranking="lru", on_pause=_continuum_2s),
-    ReplayPolicy("kvflow", "B4 KVFlow steps-to-execution + prefetch", ranking="next_use", on_pause=_kvflow),
-    ReplayPolicy("session-radix", "B5 SGLang session-radix", stock=True, session_radix=True),
-    ReplayPolicy("agentcache", "ours: lifecycle + pause policy", hints=True, quotas=True, on_pause=_ours),
-    ReplayPolicy("oracle", "B6 clairvoyant (Belady + exact prefetch; a bound for these mechanisms, "
-                           "not an optimum)", ranking="next_use", hints=True, on_pause=_oracle),
+    ReplayPolicy("stock", "B0 SGLang LRU (no host tier)", stock=True),
+    ReplayPolicy("hicache", "B1 LRU + HiCache write-back", ranking=LruRanking, spill=True),
+    ReplayPolicy("infercept", "B2 InferCept min-waste, budgeted swap", ranking=LruRanking, pause_rule=InferCeptRule),
+    ReplayPolicy("continuum", "B3 Continuum TTL (Eq. 2) + offload", ranking=LruRanking, spill=True,
+                 pause_rule=ContinuumRule),
+    ReplayPolicy("continuum-2s", "B3' Continuum public 2 s rule + offload", ranking=LruRanking, spill=True,
+                 pause_rule=ContinuumFixedRule),
+    ReplayPolicy("kvflow", "B4 KVFlow steps-to-execution + prefetch", ranking=StepsRanking, spill=True, steps=True),
+    ReplayPolicy("session-radix", "B5 SGLang session-radix (no host tier)", stock=True, session_radix=True),
+    ReplayPolicy("agentcache", "ours: lifecycle + pause policy + spill", hints=True, quotas=True, spill=True,
+                 pause_rule=OursRule),
+    ReplayPolicy("clairvoyant", "clairvoyant heuristic (Belady + exact prefetch; reads the future, not a bound)",
+                 ranking=NextUseRanking, hints=True, spill=True, clairvoyant=True, pause_rule=ClairvoyantRule),
 )}
+
+__all__ = ["CONTINUUM_MIN_SAMPLES", "Future", "NOTHING", "POLICIES", "PauseOrder", "PauseRule", "PauseView",
+           "ReplayPolicy", "continuum_ttl"]

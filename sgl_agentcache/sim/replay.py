@@ -3,12 +3,19 @@
 The cache is the real one the server runs -- :class:`~sgl_agentcache.server.cache.AgentRadixCache`, or
 SGLang's own ``UnifiedRadixCache`` for the stock baselines -- built offline on SGLang's CPU pools and
 driven through the scheduler's own calls (:mod:`sgl_agentcache.server.offline`); tool pauses go through
-the same ``PauseBook`` and host tier the server uses, so offloads and restores really copy (tiny) KV
-tensors. The replayer owns only time: a discrete-event loop over the trace's records, where a request
+the same ``PauseBook``, host tier and node spill the server uses, so offloads, spills and restores
+really copy (tiny) KV tensors. Every system gets the same device pool and the same host tier
+(``host_tokens``; stock SGLang, which has no host tier, runs with none and is the reference). The replayer owns only time: a discrete-event loop over the trace's records, where a request
 is admitted when KV slots can be found (else it waits, FIFO), holds its slots for
 ``restore + prefill(uncached) + decode(output)`` seconds of modelled service, then finishes. When a
 call ends in a tool call, the policy (:mod:`sgl_agentcache.sim.policies`) decides what happens to the
 branch's KV; the branch's next call is its resume.
+
+What a system may know: the trace's future (when a branch's next call arrives, whether it has one)
+reaches only a clairvoyant policy, through one :class:`TraceFuture` the replayer holds; every other
+policy's rule gets ``None`` in its place, and no other part of the replayer reads ``think_s`` or a
+tool's ``duration_s`` (time comes from arrivals alone). ``tests/test_replay.py`` scrambles that future
+and checks every other policy's results are unchanged.
 
 Costs come from a :class:`~sgl_agentcache.policy.profiles.Profile` (KV bytes per token, prefill and decode
 rates, transfer bandwidths); the cache is told the profile's bytes per token, so its decisions price
@@ -25,16 +32,23 @@ import math
 import statistics
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from array import array
+from collections import deque
+from dataclasses import dataclass, field, fields
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.policy.profiles import Profile
-from sgl_agentcache.sim.policies import POLICIES, PauseView, ReplayPolicy
+from sgl_agentcache.sim.policies import POLICIES, Future, PauseView, ReplayPolicy
+from sgl_agentcache.sim.stepgraph import StepGraph
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids
 
-__all__ = ["POLICIES", "ReplayResult", "replay"]
+__all__ = ["POLICIES", "ReplayResult", "TraceFuture", "replay"]
+
+#: KVFlow's ``load_ahead_step`` and ``evict_pri_level`` (hold_step) defaults.
+KVFLOW_LOAD_AHEAD_STEPS = 2
+KVFLOW_HOLD_STEPS = 4
 
 #: Resident-memory samples kept per run (for the memory-by-class plot).
 TIMELINE_SAMPLES = 200
@@ -60,6 +74,7 @@ class ReplayResult:
     policy: str
     trace: str
     pool_tokens: int
+    host_tokens: int = 0  # host tier capacity this system had
     label: str = ""
     requests: int = 0
     input_tokens: int = 0
@@ -86,6 +101,10 @@ class ReplayResult:
     host_tokens_at_end: int = 0
     integrity_ok: bool = False
     timeline: list = field(default_factory=list, repr=False)  # (t, {class: tokens})
+    # The order the cache saw calls start ("a") and finish ("f"), by request id: what the LP lower
+    # bound is computed on (sim/bound.py).
+    access_log: list = field(default_factory=list, repr=False)
+    completion_s: float = 0.0  # when the last call finished (the trace's makespan under this system)
     wall_s: float = 0.0
 
     @property
@@ -96,8 +115,9 @@ class ReplayResult:
         return _quantiles(self.resume_latencies_s)
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items()
-               if k not in ("resume_latencies_s", "resume_queue_s", "reclaim_latencies_s")}
+        skip = ("resume_latencies_s", "resume_queue_s", "reclaim_latencies_s", "access_log", "timeline")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        out["timeline"] = list(self.timeline)
         return out | {"hit_rate": self.hit_rate, "resume_s": self.resume_quantiles(),
                       "resume_mean_s": statistics.fmean(self.resume_latencies_s or [0.0]),
                       "resume_queue_s": _quantiles(self.resume_queue_s),
@@ -107,12 +127,14 @@ class ReplayResult:
 
 
 class _TokenBook:
-    """Expands block ids to token ids (cached) and finds each call's exact continuation."""
+    """Expands block ids to token ids (cached) and finds each call's exact continuation. One book
+    serves every replay of the same trace and vocabulary (:func:`_token_book`)."""
 
     def __init__(self, trace: Trace, vocab_size: int):
         self.block = trace.header.block_tokens
         self.vocab = vocab_size
         self._blocks: dict[int, list[int]] = {}
+        self._prompts: dict[str, array] = {}
         self.next_call: dict[str, Request] = {}
         last: dict[tuple, Request] = {}
         for record in trace.records:
@@ -123,13 +145,18 @@ class _TokenBook:
                 last[key] = record
 
     def prompt(self, request: Request) -> list[int]:
-        out: list[int] = []
-        for block_id in request.blocks:
-            ids = self._blocks.get(block_id)
-            if ids is None:
-                ids = self._blocks[block_id] = block_token_ids(block_id, self.block, self.vocab)
-            out.extend(ids)
-        return out[: request.input_tokens]
+        """The call's prompt tokens (a fresh list: callers may keep or extend it)."""
+        cached = self._prompts.get(request.id)
+        if cached is None:
+            out: list[int] = []
+            for block_id in request.blocks:
+                ids = self._blocks.get(block_id)
+                if ids is None:
+                    ids = self._blocks[block_id] = block_token_ids(block_id, self.block, self.vocab)
+                out.extend(ids)
+            del out[request.input_tokens:]
+            cached = self._prompts[request.id] = array("q", out)
+        return cached.tolist()
 
     def output(self, request: Request) -> list[int]:
         """The tokens the call generates: what the branch's next prompt has there, else filler."""
@@ -138,6 +165,36 @@ class _TokenBook:
         if nxt is not None and nxt.input_tokens >= request.input_tokens + n:
             return self.prompt(nxt)[request.input_tokens: request.input_tokens + n]
         return block_token_ids(zlib.crc32(request.id.encode()), n, self.vocab)
+
+
+_BOOKS: dict[tuple[int, int], tuple[Trace, _TokenBook]] = {}
+
+
+def _token_book(trace: Trace, vocab_size: int) -> _TokenBook:
+    """The book of ``trace`` (kept for the last few traces: a suite replays each many times)."""
+    key = (id(trace), vocab_size)
+    hit = _BOOKS.get(key)
+    if hit is not None and hit[0] is trace:
+        return hit[1]
+    if len(_BOOKS) >= 4:
+        _BOOKS.pop(next(iter(_BOOKS)))
+    book = _TokenBook(trace, vocab_size)
+    _BOOKS[key] = (trace, book)
+    return book
+
+
+class TraceFuture:
+    """The trace's future, as only a clairvoyant policy may see it: when each branch's next call
+    arrives after a call ends. The one place the replayer reads times other than arrivals."""
+
+    def __init__(self, trace: Trace, tokens: "_TokenBook"):
+        self.next_call = tokens.next_call
+
+    def after(self, request: Request, now: float) -> Future:
+        nxt = self.next_call.get(request.id)
+        if nxt is None:
+            return Future(wait_s=math.inf, resumes=False)
+        return Future(wait_s=max(nxt.t - now, 0.0), resumes=True)
 
 
 def _hint(request: Request, full: bool) -> dict:
@@ -159,44 +216,61 @@ def _hint(request: Request, full: bool) -> dict:
 class _Run:
     """One replay: the event loop's state (see :func:`replay`)."""
 
-    def __init__(self, trace: Trace, policy: ReplayPolicy, pool_tokens: int, profile: Profile, vocab_size: int,
-                 max_live: int, host_tokens: int | None):
+    def __init__(self, trace: Trace, policy: ReplayPolicy, pool_tokens: int, host_tokens: int, profile: Profile,
+                 vocab_size: int, max_live: int, future: TraceFuture | None, timeline: bool):
         from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
 
         self.trace, self.policy, self.profile, self.max_live = trace, policy, profile, max_live
+        host_tokens = 0 if policy.reference else host_tokens  # stock SGLang has no host tier
         longest = max((r.input_tokens + max(r.output_tokens, 1) for r in trace.requests), default=1)
         self.cache = build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_live, context_len=longest,
                                          stock=policy.stock, enable_session_radix_cache=policy.session_radix)
         self.driver = OfflineDriver(self.cache)
         self.agent = not policy.stock
+        self.ranking = None
         if self.agent:
             cache = self.cache
-            cache.ranking = policy.ranking
+            if policy.ranking is not None:
+                self.ranking = (policy.ranking(cache, hold_step=KVFLOW_HOLD_STEPS) if policy.steps
+                                else policy.ranking(cache))
+                cache.set_eviction_key(self.ranking.key)
             s = cache.pauses.settings
             s.bytes_per_token = profile.kv_bytes_per_token
             s.h2d_bytes_per_s, s.d2h_bytes_per_s = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
             s.prefill_tokens_per_s = profile.prefill_tokens_per_s
-            cache.pauses.host.capacity_tokens = host_tokens if host_tokens is not None else 4 * pool_tokens
+            cache.pauses.host.capacity_tokens = host_tokens
+            cache.set_host_spill(policy.spill and host_tokens > 0)
             if not policy.quotas:  # quotas are ours; baselines run without them
                 cache.branch_quota_tokens = cache.session_quota_tokens = 1 << 40
                 s.max_kept_branches = s.max_kept_tokens = 1 << 40
+        self.rule = policy.pause_rule() if policy.pause_rule is not None else None
         self.book = LatencyBook()
         self.observed: dict[tuple[str, str], list[float]] = {}
-        self.tokens = _TokenBook(trace, vocab_size)
+        self.observed_all: dict[str, list[float]] = {}
+        self.tokens = _token_book(trace, vocab_size)
+        # The future, for a clairvoyant policy only (tests hand in a scrambled one).
+        self.future = (future or TraceFuture(trace, self.tokens)) if policy.clairvoyant else None
+        self.graph = StepGraph(trace, KVFLOW_HOLD_STEPS + 1) if policy.steps else None
         by_id = {r.id: r for r in trace.requests}
         self.after_tool = {nxt.id: by_id[rid] for rid, nxt in self.tokens.next_call.items()
                            if by_id[rid].tool is not None}
         self.result = ReplayResult(policy=policy.name, label=policy.label, trace=trace.header.name,
-                                   pool_tokens=pool_tokens)
+                                   pool_tokens=pool_tokens, host_tokens=host_tokens)
         self.events: list[tuple] = []
         self.seq = 0
         self.waiting: list[tuple[Request | Event, float]] = []
         self.deferred: dict[tuple, list[tuple[Request, float]]] = {}
         self.live: dict[tuple, tuple] = {}  # branch -> (offline req, trace request)
         self.paused: dict[BranchKey, tuple[float, str, int]] = {}  # -> (since, tool class, device tokens)
+        self.last_call: dict[BranchKey, Request] = {}  # each branch's latest finished call
         self.sessions: set[tuple[str, str]] = set()
+        self.session_calls: dict[tuple[str, str], int] = {}
+        self.finished_programs: list[int] = []  # calls per finished session (Continuum's eta)
+        self.memoryfulness = 1.0
+        self.lost_queue: deque = deque(maxlen=50)  # queueing of returning calls that lost KV (Continuum's T)
         self.tenant_tokens: dict[str, list[int]] = {}
         self.done_count = 0
+        self.timeline = timeline
 
     # ---- plumbing ----
 
@@ -214,6 +288,9 @@ class _Run:
 
     def owned_on_device(self, branch: BranchKey) -> int:
         return self.cache.tree_core.resident_owned_tokens(branch)
+
+    def restored_so_far(self) -> int:
+        return self.cache.pauses.counters["restored_tokens"] + self.cache.spill.counters["loaded_tokens"]
 
     # ---- requests ----
 
@@ -237,7 +314,7 @@ class _Run:
             if (request.tenant, request.session) not in self.sessions:
                 self.driver.open_session(session_id)
                 self.sessions.add((request.tenant, request.session))
-        restored_before = self.cache.pauses.counters["restored_tokens"] if self.agent else 0
+        restored_before = self.restored_so_far() if self.agent else 0
         try:
             req = self.driver.admit(request.id, self.tokens.prompt(request), kv_hints=envelope,
                                     extra_key=request.tenant, session_id=session_id)
@@ -246,8 +323,9 @@ class _Run:
         except OfflineRefused:
             self.result.refused_requests += 1  # a new fork of an already-closed parent: never served
             return True
-        restored = (self.cache.pauses.counters["restored_tokens"] - restored_before) if self.agent else 0
+        restored = (self.restored_so_far() - restored_before) if self.agent else 0
         r = self.result
+        r.access_log.append(("a", request.id))
         r.requests += 1
         r.input_tokens += request.input_tokens
         r.cached_tokens += req.cached_tokens
@@ -259,12 +337,17 @@ class _Run:
         # A restore at admission sits on the critical path (a prefetched one already happened).
         service = restored * self.profile.kv_bytes_per_token / self.profile.h2d_bytes_per_s
         service += self.profile.prefill_s(request.input_tokens - req.cached_tokens)
-        if request.id in self.after_tool:
+        previous = self.after_tool.get(request.id)
+        if previous is not None:
             r.resume_latencies_s.append(now - arrived + service)
             r.resume_queue_s.append(now - arrived)
+            if req.cached_tokens < previous.input_tokens:
+                self.lost_queue.append(now - arrived)
         service += self.profile.decode_s_per_token * max(request.output_tokens, 1)
-        if self.agent:
-            self.cache.next_use[self.branch(request)] = now
+        if self.graph is not None:
+            self.update_steps(self.graph.started(request))
+        elif self.future is not None:
+            self.ranking.next_use[self.branch(request)] = now
         self.live[self.key(request)] = (req, request)
         self.push(now + service, "done", request)
         return True
@@ -294,6 +377,7 @@ class _Run:
             waited = now - since
             self.book.observe(request.tenant, tool_class, waited)
             self.observed.setdefault((request.tenant, tool_class), []).append(waited)
+            self.observed_all.setdefault(request.tenant, []).append(waited)
             held_now = self.owned_on_device(branch)
             self.result.idle_kv_token_s += (held + held_now) / 2 * waited
         if self.key(request) in self.live:
@@ -310,54 +394,67 @@ class _Run:
         if entry is None or entry[1] is not request:
             return  # aborted meanwhile
         del self.live[self.key(request)]
-        self.driver.extend(entry[0], self.tokens.output(request))
+        self.driver.extend(entry[0], self.tokens.output(request), batched_decode=True)
         self.driver.finish(entry[0])
-        nxt = self.tokens.next_call.get(request.id)
-        if self.agent and request.tool is not None and self.policy.on_pause is not None:
-            self.pause(request, nxt, now)
-        elif self.agent and self.policy.ranking == "next_use":
-            # Both know when the branch runs next: the workflow graph (KVFlow) or the future (oracle).
-            self.cache.next_use[self.branch(request)] = math.inf if nxt is None else now + request.think_s
+        self.result.access_log.append(("f", request.id))
+        self.result.completion_s = now
+        branch = self.branch(request)
+        self.last_call[branch] = request
+        session = (request.tenant, request.session)
+        self.session_calls[session] = self.session_calls.get(session, 0) + 1
+        if self.agent and request.tool is not None and self.rule is not None:
+            self.pause(request, now)
+        elif self.future is not None:  # clairvoyant: Belady knows when the branch runs next
+            future = self.future.after(request, now)
+            self.ranking.next_use[branch] = now + future.wait_s if future.resumes else math.inf
+        if self.graph is not None:
+            self.update_steps(self.graph.finished(request))
         self.done_count += 1
-        if self.done_count % max(len(self.trace.requests) // TIMELINE_SAMPLES, 1) == 0:
+        if self.timeline and self.done_count % max(len(self.trace.requests) // TIMELINE_SAMPLES, 1) == 0:
             self.sample(now)
         # The branch's next calls are causally next: ahead of anything that waits on them.
         self.waiting[0:0] = self.deferred.pop(self.key(request), ())
         self.drain(now)
 
+    def update_steps(self, keys) -> None:
+        """KVFlow: refresh the steps to execution of ``keys``; a waiting branch whose next step comes
+        within ``load_ahead_step`` has its evicted KV loaded back now (may evict, as KVFlow's does)."""
+        for tenant, session, name in keys:
+            branch = BranchKey(namespace_key(tenant, None), session, name)
+            before = self.ranking.steps.get(branch, KVFLOW_HOLD_STEPS + 1)
+            steps = self.graph.steps((tenant, session, name))
+            self.ranking.steps[branch] = steps
+            if steps != before and 0 < steps <= KVFLOW_LOAD_AHEAD_STEPS:
+                self.load_branch(branch, evict=True)
+
     # ---- tool pauses ----
 
-    def pause(self, request: Request, nxt: Request | None, now: float) -> None:
+    def pause(self, request: Request, now: float) -> None:
         branch, tool = self.branch(request), request.tool
         pauses = self.cache.pauses
         tokens = sum(len(n.key) for n in pauses.movable_suffix(branch))
         p = self.profile
-        true_wait = max(nxt.t - now, 0.0) if nxt is not None else tool.duration_s
         view = PauseView(
-            tokens=tokens, latency=self.book.model(request.tenant, tool.tool_class),
+            now=now, tokens=tokens, latency=self.book.model(request.tenant, tool.tool_class),
             observations=self.observed.get((request.tenant, tool.tool_class), []),
+            all_observations=self.observed_all.get(request.tenant, []),
             prefill_s=p.prefill_s(tokens), transfer_s=tokens * p.kv_bytes_per_token / p.h2d_bytes_per_s,
+            tokens_per_s_link=p.d2h_bytes_per_s / p.kv_bytes_per_token,
             running_tokens=sum(r.input_tokens + r.output_tokens for _, r in self.live.values()),
-            queue_s=statistics.fmean(self.result.resume_queue_s[-50:] or [0.0]),
-            true_duration_s=true_wait, resumes=nxt is not None)
-        order = self.policy.on_pause(view)
+            queue_s=statistics.fmean(self.lost_queue) if self.lost_queue else 0.0,
+            memoryfulness=self.memoryfulness, host_tokens=pauses.host.capacity_tokens)
+        order = self.rule(view, self.future.after(request, now) if self.future is not None else None)
         self.result.pauses += 1
         if order.next_use_in_s is not None:
-            self.cache.next_use[branch] = now + order.next_use_in_s
-        if order.action is None and order.latency is None:
-            self.paused[branch] = (now, tool.tool_class, self.owned_on_device(branch))
-            return  # nothing: the KV is left to eviction
-        # Our decisions do not count on a prefetch hiding the restore (a "nearly done" signal may come
-        # too late or be refused); the oracle knows its exact prefetch hides it.
-        lead = view.transfer_s if self.policy.name == "oracle" else 0.0
-        with self.driver.activated():
-            pauses.pause(branch, order.latency, tool_class=tool.tool_class, force=order.action,
-                         write_through=order.write_through, prefetch_lead_s=lead)
+            self.ranking.next_use[branch] = now + order.next_use_in_s
+        if order.action is not None or order.latency is not None:
+            with self.driver.activated():
+                pauses.pause(branch, order.latency, tool_class=tool.tool_class, force=order.action)
         self.paused[branch] = (now, tool.tool_class, self.owned_on_device(branch))
         if order.unpin_after_s is not None:
             self.push(now + order.unpin_after_s, "unpin", branch)
-        if order.prefetch_after_s is not None and branch in pauses.records:
-            self.push(now + order.prefetch_after_s, "prefetch", branch)
+        if order.prefetch_after_s is not None:
+            self.push(now + order.prefetch_after_s, "prefetch", (branch, order.prefetch_evicts))
 
     def on_unpin(self, branch: BranchKey) -> None:
         record = self.cache.pauses.records.get(branch)
@@ -365,10 +462,25 @@ class _Run:
             with self.driver.activated():
                 self.cache.pauses.resume(branch)  # TTL over: back to plain eviction order
 
-    def on_prefetch(self, branch: BranchKey) -> None:
-        if branch in self.cache.pauses.records:
-            with self.driver.activated():
-                self.cache.pauses.prefetch_branch(branch, queued=len(self.waiting))
+    def on_prefetch(self, branch: BranchKey, evict: bool) -> None:
+        if branch in self.paused:  # not resumed, closed or released since
+            self.load_branch(branch, evict=evict)
+
+    def load_branch(self, branch: BranchKey, *, evict: bool) -> None:
+        """Bring ``branch``'s KV back ahead of its next call: its host copy if the pause offloaded it
+        (the pause machinery's prefetch), else what eviction spilled of its last call's path."""
+        pauses = self.cache.pauses
+        with self.driver.activated():
+            if branch in pauses.records and branch in pauses.host.entries:
+                pauses.prefetch_branch(branch, queued=len(self.waiting))
+                return
+            last = self.last_call.get(branch)
+            if last is None or not self.cache.spill.lru:
+                return
+            from sglang.srt.mem_cache.radix_cache import RadixKey
+
+            tokens = self.tokens.prompt(last) + self.tokens.output(last)
+            self.cache.load_spilled(RadixKey(array("q", tokens), last.tenant), evict=evict)
 
     # ---- closes ----
 
@@ -386,6 +498,11 @@ class _Run:
         if event.kind == "abort" and key in self.live:
             req, _ = self.live.pop(key)
             self.driver.abort(req)
+        if event.kind == "close_session":
+            calls = self.session_calls.pop((event.tenant, event.session), 0)
+            if calls:
+                self.finished_programs.append(calls)
+                self.memoryfulness = _memoryfulness(self.finished_programs)
         if self.policy.session_radix and event.kind == "close_session" \
                 and (event.tenant, event.session) in self.sessions:
             self.driver.close_session(f"{event.tenant}/{event.session}")
@@ -405,13 +522,13 @@ class _Run:
                     cache.close_session(namespace, event.session)
                 else:
                     cache.close_branch(branches[0])
-            else:  # the baselines never close anything on device; a host copy is dropped (HiCache LRU)
+            else:  # the baselines never close anything on device; a paused copy is dropped
                 for b in branches:
                     cache.pauses.forget(b)
         for b in branches:
             self.paused.pop(b, None)
-            if cache.ranking == "next_use":
-                cache.next_use[b] = math.inf
+            if self.future is not None:
+                self.ranking.next_use[b] = math.inf
 
     def drain(self, now: float) -> None:
         # Events wait behind earlier requests so that a close never overtakes the calls before it.
@@ -453,7 +570,7 @@ class _Run:
             elif kind == "unpin":
                 self.on_unpin(payload)
             elif kind == "prefetch":
-                self.on_prefetch(payload)
+                self.on_prefetch(*payload)
             if not self.events and (self.waiting or self.deferred):
                 raise RuntimeError(f"{len(self.waiting) + len(self.deferred)} requests can never be admitted "
                                    f"into a {self.result.pool_tokens}-token pool")
@@ -484,19 +601,35 @@ class _Run:
             r.reclaimed_tokens = self.cache.freed_on_close_tokens
             r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n))
             r.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - r.leaked_tokens
-        self.sample(max((e.t for e in self.trace.records), default=0.0))
+        if self.timeline:
+            self.sample(max(r.completion_s, max((e.t for e in self.trace.records), default=0.0)))
         return r
 
 
-def replay(trace: Trace, policy: str | ReplayPolicy, *, pool_tokens: int, profile: Profile, vocab_size: int = 512,
-           max_live: int = 64, host_tokens: int | None = None) -> ReplayResult:
+def _memoryfulness(program_lengths: list[int]) -> float:
+    """Continuum's eta = -Corr(k, N - k) over the calls k = 1..N of finished programs (1 when fewer
+    than two distinct samples)."""
+    ks = [k for n in program_lengths for k in range(1, n + 1)]
+    rest = [n - k for n in program_lengths for k in range(1, n + 1)]
+    if len(set(ks)) < 2 or len(set(rest)) < 2:
+        return 1.0
+    return -statistics.correlation(ks, rest)
+
+
+def replay(trace: Trace, policy: str | ReplayPolicy, *, pool_tokens: int, host_tokens: int, profile: Profile,
+           vocab_size: int = 512, max_live: int = 64, future: TraceFuture | None = None,
+           timeline: bool = True) -> ReplayResult:
     """Replay ``trace`` under ``policy`` (a name in :data:`POLICIES` or a :class:`ReplayPolicy`) with a
-    ``pool_tokens`` device KV pool and ``host_tokens`` of host tier (default 4x the pool)."""
+    ``pool_tokens`` device KV pool and ``host_tokens`` of host tier (a reference policy -- stock SGLang
+    -- runs without one). ``future`` replaces the trace's future a clairvoyant policy reads (tests);
+    ``timeline``: sample resident tokens by class over time (for plots)."""
     if isinstance(policy, str):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         policy = POLICIES[policy]
+    if host_tokens < 0 or pool_tokens <= 0:
+        raise ValueError(f"pool_tokens must be positive and host_tokens non-negative, got {pool_tokens}, {host_tokens}")
     started = time.perf_counter()
-    result = _Run(trace, policy, pool_tokens, profile, vocab_size, max_live, host_tokens).run()
+    result = _Run(trace, policy, pool_tokens, host_tokens, profile, vocab_size, max_live, future, timeline).run()
     result.wall_s = time.perf_counter() - started
     return result

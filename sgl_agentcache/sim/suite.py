@@ -1,22 +1,39 @@
-"""The replay suite: every policy on every workload at two memory-pressure points, as ratios to stock.
+"""The replay suite: every system on every workload, at equal device pool and equal host tier.
 
-Pressure is set per trace from its own working set, so "tight" means the same thing for every workload:
-``pool = fraction x working_set`` (at least 1.3x the longest request, so every call fits), where
-``working_set = max concurrent sessions x mean input tokens`` -- roughly what the live sessions would
-hold if everything they used stayed resident.
+Workloads: the six generated classes (``trace/generators.py``, a seed each) and the committed real
+traces (``bench/traces/``: the kv-cache-tester sessions together, the Mooncake conversation slice),
+each seed of a real trace shifting its sessions against each other (``offset_sessions``).
 
-Every figure a report quotes is computed here and written to ``results.json`` with the exact command,
-seeds, profile and package versions, so a claim can be regenerated; ratios are against B0 (stock)
-*in the same run, on the same trace*.
+Memory. The device pool is set per trace from its own working set, so a pressure point means the same
+thing on every workload: ``pool = fraction x working_set`` with ``working_set = max concurrent
+sessions x mean input tokens``, at least ``FLOOR x`` the longest call (every call must fit); when that
+floor binds, every pressure point scales with it, so two pressure points always differ by their ratio.
+The host tier is an axis, in multiples of the pool: every system of a cell gets exactly the same host
+capacity, except the reference systems (stock SGLang, with and without session-radix), which have no
+host tier at all and so appear at host 0 only -- stock without a host tier is the denominator of every
+ratio, in every cell. All systems run at the main host levels (``hosts``); ours and the HiCache
+baseline also run at the sweep levels (``sweep_hosts``, at ``sweep_pressure``).
+
+Statistics. Each figure is a mean over seeds with a 95% confidence interval (Student t over the
+per-seed values); ours against each other system is the per-seed ratio of recomputed tokens, and a
+verdict is "better" or "worse" only when its interval excludes 1 ("tie" otherwise). Every cell also
+carries the infinite-cache hit rate and the LP lower bound (``sim/bound.py``) on recompute for its
+capacity: the smallest of its runs' bounds, so a bound for each of them; every run is checked to
+recompute at least its own bound.
+
+Everything a report quotes is computed here and written to ``results.json`` with the command, seeds,
+profile and package versions. Jobs (a workload and a seed) run in worker processes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,46 +44,91 @@ from sgl_agentcache.trace.generators import WORKLOADS, generate
 from sgl_agentcache.trace.stats import trace_stats
 
 PRESSURES = {"tight": 0.3, "moderate": 0.6}
+#: Every call must fit: the pool is at least this many times the longest call.
+FLOOR = 1.3
+#: Token ids the replay draws from: large, so two different blocks' tokens never start alike by chance
+#: (the LP bound identifies tokens by their block chain). Offline, ids never reach a model.
+REPLAY_VOCAB = 2**31 - 1
+#: Real-trace workloads: name -> (sample, token scale, session offset spread in seconds).
+REAL_WORKLOADS = {
+    "real_cc_sessions": ("weka_mix", 64, 600.0),
+    "real_mooncake_chat": ("mooncake_conversation", 64, 120.0),
+}
+OURS = "agentcache"
+DEFAULT_POLICIES = ("stock", "hicache", "infercept", "continuum", "kvflow", "session-radix", OURS, "clairvoyant")
 
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    workloads: tuple[str, ...] = tuple(WORKLOADS)
-    policies: tuple[str, ...] = tuple(POLICIES)
+    workloads: tuple[str, ...] = tuple(WORKLOADS) + tuple(REAL_WORKLOADS)
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     pressures: tuple[str, ...] = tuple(PRESSURES)
-    seeds: tuple[int, ...] = (1,)
+    hosts: tuple[float, ...] = (0.0, 1.0)  # host tier as a multiple of the pool: every policy (host 0 at
+    # the sweep pressure only: every system without a host tier is the equal-memory comparison there)
+    sweep_hosts: tuple[float, ...] = (0.25, 0.5, 4.0)  # ours and HiCache only, at sweep_pressure
+    sweep_policies: tuple[str, ...] = ("hicache", OURS)
+    sweep_pressure: str = "tight"
+    seeds: tuple[int, ...] = tuple(range(1, 11))
+    real_seeds: tuple[int, ...] = tuple(range(1, 6))  # >= 1,000 requests each: fewer seeds suffice
     scale: float = 0.1
     profile: str = "seed"
+    workers: int = 2
 
 
 def pool_for(trace, pressure: str) -> int:
     stats = trace_stats(trace)
     working_set = stats["max_concurrent_sessions"] * stats["mean_input_tokens"]
     longest = max(r.input_tokens + max(r.output_tokens, 1) for r in trace.requests)
-    return int(max(PRESSURES[pressure] * working_set, 1.3 * longest))
+    fraction = PRESSURES[pressure]
+    floor = FLOOR * longest * fraction / min(PRESSURES.values())
+    return int(max(fraction * working_set, floor))
+
+
+def workload_trace(workload: str, seed: int, scale: float):
+    """The trace of ``workload`` for ``seed`` and its token scale (1 for generated traces)."""
+    if workload in REAL_WORKLOADS:
+        from sgl_agentcache.trace.samples import load_sample
+        from sgl_agentcache.trace.transforms import offset_sessions
+
+        sample, token_scale, spread = REAL_WORKLOADS[workload]
+        return offset_sessions(load_sample(sample, token_scale=token_scale), seed, spread), token_scale
+    return generate(workload, seed=seed, scale=scale), 1
+
+
+def scaled_profile(profile: Profile, token_scale: int) -> Profile:
+    """A profile under which one token of a ``token_scale``-scaled trace costs what ``token_scale``
+    tokens of the original cost (bytes, prefill, decode), so times keep their meaning."""
+    if token_scale == 1:
+        return profile
+    return replace(profile, name=f"{profile.name}/x{token_scale}", kv_bytes_per_token=profile.kv_bytes_per_token * token_scale,
+                   prefill_tokens_per_s=profile.prefill_tokens_per_s / token_scale,
+                   decode_s_per_token=profile.decode_s_per_token * token_scale)
 
 
 def ideal_hit_rate(trace, profile: Profile) -> float:
     """Hit rate of an infinite cache on this trace: stock with a pool that never evicts (exact, including
     the outputs each call leaves for the next), the limit no policy can beat."""
     total = sum(r.input_tokens + max(r.output_tokens, 1) for r in trace.requests)
-    return replay(trace, "stock", pool_tokens=total + 1024, profile=profile).hit_rate
+    return replay(trace, "stock", pool_tokens=total + 1024, host_tokens=0, profile=profile,
+                  vocab_size=REPLAY_VOCAB).hit_rate
 
 
-def _row(result: ReplayResult, stock: ReplayResult, workload: str, pressure: str, seed: int,
-         ideal: float | None = None) -> dict:
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else (1.0 if a == 0 else math.inf)
+
+
+def _row(result: ReplayResult, stock: ReplayResult, cell: dict) -> dict:
     d = result.to_dict()
     base = stock.to_dict()
-    ratio = lambda a, b: a / b if b else (1.0 if a == 0 else float("inf"))  # noqa: E731
-    return {
-        "workload": workload, "pressure": pressure, "seed": seed, "policy": result.policy, "label": result.label,
-        "pool_tokens": result.pool_tokens, "requests": result.requests, "refused": result.refused_requests,
+    return cell | {
+        "policy": result.policy, "label": result.label, "pool_tokens": result.pool_tokens,
+        "host_tokens": result.host_tokens, "requests": result.requests, "refused": result.refused_requests,
         "hit_rate": d["hit_rate"], "host_hit_rate": result.restored_tokens / max(result.input_tokens, 1),
-        "ideal_hit_rate": ideal,  # an infinite cache: the true limit of any policy on this trace
         "recomputed_tokens": result.recomputed_tokens,
-        "recompute_vs_stock": ratio(result.recomputed_tokens, stock.recomputed_tokens),
+        "recompute_vs_stock": _ratio(result.recomputed_tokens, stock.recomputed_tokens),
+        "completion_vs_stock": _ratio(result.completion_s, stock.completion_s),
         "resume_p50_s": d["resume_s"]["p50"], "resume_p95_s": d["resume_s"]["p95"], "resume_p99_s": d["resume_s"]["p99"],
-        "resume_p99_vs_stock": ratio(d["resume_s"]["p99"], base["resume_s"]["p99"]),
+        "resume_p99_vs_stock": _ratio(d["resume_s"]["p99"], base["resume_s"]["p99"]),
         "resume_queue_p50_s": d["resume_queue_s"]["p50"], "idle_kv_token_s": result.idle_kv_token_s,
         "reclaim_latency_p99_s": d["reclaim_latency_s"]["p99"], "reclaimed_tokens": result.reclaimed_tokens,
         "bytes_d2h": result.bytes_d2h, "bytes_h2d": result.bytes_h2d, "decisions": result.decisions,
@@ -75,47 +137,151 @@ def _row(result: ReplayResult, stock: ReplayResult, workload: str, pressure: str
     }
 
 
-def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], None] | None = None) -> dict:
-    """Run the suite; returns ``{"config", "rows", "runs", ...}``. ``runs`` keeps the raw per-run data
-    the plots need (resume latencies, memory timelines)."""
-    started = time.perf_counter()
+def _plan(config: SuiteConfig, pressure: str) -> list[tuple[float, tuple[str, ...]]]:
+    """(host level, policies) to run at ``pressure``; reference systems only at host 0, and host 0 only
+    at the sweep pressure."""
+    plan = [(h, tuple(p for p in config.policies if p != "stock" and (h == 0 or not POLICIES[p].reference)))
+            for h in config.hosts if h > 0 or pressure == config.sweep_pressure]
+    if pressure == config.sweep_pressure:
+        plan += [(h, tuple(p for p in config.sweep_policies if p in config.policies)) for h in config.sweep_hosts
+                 if h not in config.hosts]
+    return plan
+
+
+def run_job(config: SuiteConfig, profile: Profile, workload: str, seed: int) -> dict:
+    """Every run of one (workload, seed): rows, the cells' bounds, and raw data for the plots."""
+    from sgl_agentcache.sim.bound import lower_bound
+
+    trace, token_scale = workload_trace(workload, seed, config.scale)
+    prof = scaled_profile(profile, token_scale)
+    ideal = ideal_hit_rate(trace, prof)
     rows, runs = [], []
-    for workload in config.workloads:
-        for seed in config.seeds:
-            trace = generate(workload, seed=seed, scale=config.scale)
-            ideal = ideal_hit_rate(trace, profile)
-            for pressure in config.pressures:
-                pool = pool_for(trace, pressure)
-                results = {}
-                for policy in ("stock",) + tuple(p for p in config.policies if p != "stock"):
-                    if progress is not None:
-                        progress(f"{workload} seed {seed} {pressure} ({pool} tokens): {policy}")
-                    results[policy] = replay(trace, policy, pool_tokens=pool, profile=profile)
-                for policy in config.policies:
-                    rows.append(_row(results[policy], results["stock"], workload, pressure, seed, ideal))
-                    r = results[policy]
-                    runs.append({"workload": workload, "pressure": pressure, "seed": seed, "policy": policy,
-                                 "resume_latencies_s": r.resume_latencies_s, "timeline": r.timeline})
-    return {"config": config.__dict__, "profile": profile.to_dict(), "rows": rows, "runs": runs,
-            "summary": summarize(rows), "wall_s": time.perf_counter() - started, "environment": _environment()}
+    for pressure in config.pressures:
+        pool = pool_for(trace, pressure)
+        plotted = seed == config_first_seed(config, workload)
+        stock = replay(trace, "stock", pool_tokens=pool, host_tokens=0, profile=prof, vocab_size=REPLAY_VOCAB,
+                       timeline=plotted)
+        for host_ratio, policies in _plan(config, pressure):
+            host = int(round(host_ratio * pool))
+            cell = {"workload": workload, "pressure": pressure, "host_ratio": host_ratio, "seed": seed,
+                    "ideal_hit_rate": ideal, "token_scale": token_scale, "trace_requests": len(trace.requests)}
+            results = {"stock": stock} | {p: replay(trace, p, pool_tokens=pool, host_tokens=host, profile=prof,
+                                                    vocab_size=REPLAY_VOCAB, timeline=plotted) for p in policies}
+            bounds = {}
+            for name, result in results.items():
+                bound = lower_bound(trace, result.access_log, pool + host).recompute_tokens
+                if result.recomputed_tokens < bound - 1e-6:
+                    raise RuntimeError(f"{workload} seed {seed} {pressure} host {host_ratio}: {name} recomputed "
+                                       f"{result.recomputed_tokens} < its lower bound {bound:.0f}: a bug")
+                bounds[name] = bound
+            cell["lower_bound_tokens"] = min(bounds.values())
+            cell["lower_bound_vs_stock"] = _ratio(cell["lower_bound_tokens"], stock.recomputed_tokens)
+            for name, result in results.items():
+                rows.append(_row(result, stock, cell))
+                if plotted:
+                    runs.append({"workload": workload, "pressure": pressure, "host_ratio": host_ratio, "seed": seed,
+                                 "policy": name, "resume_latencies_s": result.resume_latencies_s,
+                                 "timeline": result.timeline})
+    return {"rows": rows, "runs": runs}
+
+
+def config_first_seed(config: SuiteConfig, workload: str) -> int:
+    seeds = config.real_seeds if workload in REAL_WORKLOADS else config.seeds
+    return seeds[0]
+
+
+def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the suite; returns ``{"config", "rows", "summary", "comparisons", "runs", ...}``."""
+    started = time.perf_counter()
+    jobs = [(w, s) for w in config.workloads
+            for s in (config.real_seeds if w in REAL_WORKLOADS else config.seeds)]
+    rows, runs = [], []
+    if config.workers <= 1:
+        for workload, seed in jobs:
+            out = run_job(config, profile, workload, seed)
+            rows += out["rows"]
+            runs += out["runs"]
+            if progress is not None:
+                progress(f"{workload} seed {seed}")
+    else:
+        with ProcessPoolExecutor(max_workers=config.workers) as pool:
+            futures = [(w, s, pool.submit(run_job, config, profile, w, s)) for w, s in jobs]
+            for workload, seed, future in futures:
+                out = future.result()
+                rows += out["rows"]
+                runs += out["runs"]
+                if progress is not None:
+                    progress(f"{workload} seed {seed}")
+    return {"config": asdict(config), "profile": profile.to_dict(), "rows": rows, "runs": runs,
+            "summary": summarize(rows), "comparisons": compare(rows, OURS), "jobs": len(jobs),
+            "wall_s": time.perf_counter() - started, "environment": _environment()}
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """Mean and the 95% Student-t confidence interval of the mean (a single value: no interval)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return mean, math.nan, math.nan
+    from scipy.stats import t
+
+    half = float(t.ppf(0.975, n - 1)) * statistics.stdev(values) / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean over seeds per (workload, pressure, policy)."""
+    """Per (workload, pressure, host level, policy): means over seeds, with 95% intervals."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["workload"], row["pressure"], row["policy"]), []).append(row)
+        groups.setdefault((row["workload"], row["pressure"], row["host_ratio"], row["policy"]), []).append(row)
     out = []
-    for (workload, pressure, policy), group in groups.items():
+    for (workload, pressure, host_ratio, policy), group in groups.items():
         mean = lambda k: statistics.fmean(r[k] for r in group)  # noqa: E731
-        out.append({"workload": workload, "pressure": pressure, "policy": policy, "label": group[0]["label"],
-                    "seeds": len(group), "hit_rate": mean("hit_rate"), "ideal_hit_rate": mean("ideal_hit_rate"),
-                    "recompute_vs_stock": mean("recompute_vs_stock"),
+        ratio, lo, hi = mean_ci([r["recompute_vs_stock"] for r in group])
+        decisions: dict[str, int] = {}
+        for r in group:
+            for k, v in (r["decisions"] or {}).items():
+                decisions[k] = decisions.get(k, 0) + v
+        out.append({"workload": workload, "pressure": pressure, "host_ratio": host_ratio, "policy": policy,
+                    "label": group[0]["label"], "seeds": len(group),
+                    "pool_tokens": mean("pool_tokens"), "host_tokens": mean("host_tokens"),
+                    "recompute_vs_stock": ratio, "recompute_ci95": [lo, hi],
+                    "hit_rate": mean("hit_rate"), "host_hit_rate": mean("host_hit_rate"),
+                    "ideal_hit_rate": mean("ideal_hit_rate"), "lower_bound_vs_stock": mean("lower_bound_vs_stock"),
+                    "completion_vs_stock": mean("completion_vs_stock"),
                     "resume_p50_s": mean("resume_p50_s"), "resume_p99_s": mean("resume_p99_s"),
                     "resume_p99_vs_stock": mean("resume_p99_vs_stock"), "idle_kv_token_s": mean("idle_kv_token_s"),
-                    "bytes_moved": mean("bytes_d2h") + mean("bytes_h2d"), "refused": sum(r["refused"] for r in group),
+                    "bytes_moved": mean("bytes_d2h") + mean("bytes_h2d"), "decisions": decisions,
+                    "refused": sum(r["refused"] for r in group),
                     "leaked_tokens": max((r["leaked_tokens"] or 0) for r in group),
                     "integrity_ok": all(r["integrity_ok"] for r in group)})
+    return out
+
+
+def compare(rows: list[dict], ours: str) -> list[dict]:
+    """Ours against every other system of the same cell, seed by seed: the mean ratio of recomputed
+    tokens (ours / theirs) with its 95% interval, and a verdict that claims a difference only when
+    the interval excludes 1."""
+    by_cell: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for row in rows:
+        cell = (row["workload"], row["pressure"], row["host_ratio"])
+        by_cell.setdefault(cell, {}).setdefault(row["policy"], {})[row["seed"]] = row
+    out = []
+    for (workload, pressure, host_ratio), policies in by_cell.items():
+        mine = policies.get(ours)
+        if not mine:
+            continue
+        for other, theirs in policies.items():
+            if other == ours:
+                continue
+            seeds = sorted(set(mine) & set(theirs))
+            ratios = [_ratio(mine[s]["recomputed_tokens"], theirs[s]["recomputed_tokens"]) for s in seeds]
+            if not ratios or any(math.isinf(r) for r in ratios):
+                continue
+            mean, lo, hi = mean_ci(ratios)
+            verdict = "better" if hi < 1.0 else "worse" if lo > 1.0 else "tie"
+            out.append({"workload": workload, "pressure": pressure, "host_ratio": host_ratio, "other": other,
+                        "seeds": len(seeds), "ratio": mean, "ci95": [lo, hi], "verdict": verdict})
     return out
 
 
@@ -123,7 +289,7 @@ def _environment() -> dict:
     from importlib import metadata
 
     versions = {}
-    for name in ("sglang", "torch", "sgl-agentcache", "msgspec"):
+    for name in ("sglang", "torch", "sgl-agentcache", "msgspec", "scipy"):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -137,6 +303,7 @@ def write_report(report: dict, out_dir: Path, command: str) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
-    body = {k: v for k, v in report.items() if k != "runs"} | {"command": command}
+    body = {k: v for k, v in report.items() if k not in ("runs", "rows")} | {"command": command}
+    body["rows"] = [{k: v for k, v in row.items() if k not in ("label",)} for row in report["rows"]]
     path.write_text(json.dumps(body, indent=1, default=str) + "\n")
     return [path, *plot_all(report, out_dir)]

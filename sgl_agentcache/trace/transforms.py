@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
 
 import msgspec
 
 from sgl_agentcache.trace.schema import Request, Trace, TraceError, TraceHeader, validate
 
-__all__ = ["scale_tokens"]
+__all__ = ["offset_sessions", "scale_tokens"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -50,4 +51,31 @@ def scale_tokens(trace: Trace, factor: int) -> Trace:
     source = json.dumps({"token_scale": factor, "of": trace.header.source}, sort_keys=True)
     header = TraceHeader(version=trace.header.version, name=trace.header.name, block_tokens=block // factor,
                          source=source)
+    return validate(Trace(header=header, records=records))
+
+
+def offset_sessions(trace: Trace, seed: int, spread_s: float) -> Trace:
+    """The same trace with each session shifted in time by its own seeded offset in ``[0, spread_s)``.
+
+    Within a session nothing moves relative to anything else (call gaps, tool and think times, forks,
+    closes), so every agent does exactly what it did; only how sessions overlap changes. This is how a
+    fixed real trace yields independent replays for a confidence interval. Seed 0 returns the trace.
+    """
+    if spread_s < 0 or seed < 0:
+        raise TraceError(f"offset_sessions: seed and spread must be non-negative, got {seed}, {spread_s}")
+    if seed == 0 or spread_s == 0:
+        return trace
+    rng = random.Random(seed)
+    shift: dict[tuple[str, str], float] = {}
+    for record in trace.records:  # first appearance order: the same sessions get the same draws
+        key = (record.tenant, record.session)
+        if key not in shift:
+            shift[key] = round(rng.uniform(0.0, spread_s), 6)
+    moved = [(record.t + shift[(record.tenant, record.session)], i, record) for i, record in enumerate(trace.records)]
+    moved.sort(key=lambda item: (item[0], item[1]))  # stable: a session's own order is kept
+    records = [msgspec.structs.replace(record, t=round(t, 6)) for t, _, record in moved]
+    source = json.dumps({"offset_sessions": {"seed": seed, "spread_s": spread_s}, "of": trace.header.source},
+                        sort_keys=True)
+    header = TraceHeader(version=trace.header.version, name=trace.header.name,
+                         block_tokens=trace.header.block_tokens, source=source)
     return validate(Trace(header=header, records=records))
