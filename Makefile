@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo demo-server bench soak clean
+.PHONY: setup test test-fast demo demo-server bench bench-quick soak clean
 
 ## setup: CPU dev/test virtualenv (CPU torch, sglang==0.5.23, exact lock, CPU shims, this package editable).
 ##        Reused while requirements/cpu-lock.txt, pyproject.toml, the shims and the script are unchanged.
@@ -28,12 +28,20 @@ demo: setup
 demo-server: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache demo
 
-## bench: regenerate the committed results under bench/results/ (replay suite over 3 seeds, tree
-##        overhead, real-server recomputation). CPU only; see bench/README.md.
+## bench: regenerate the committed results under bench/results/ (replay suite: every system at equal
+##        pool and host tier, 10 seeds, real traces; tree overhead; the real-server benchmark), then the
+##        README's Results block. CPU only, 2 worker processes; see bench/README.md.
 bench: setup
-	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --seeds 1,2,3 --scale 0.1 --out bench/results/replay
+	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --out bench/results/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
+	$(PY) bench/readme_results.py --write README.md
+
+## bench-quick: a smoke run of the same benchmarks (small traces, few seeds) into $(QUICK_OUT); commits nothing.
+QUICK_OUT ?= bench-quick
+bench-quick: setup
+	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --quick --out $(QUICK_OUT)/replay
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py --quick --out $(QUICK_OUT)
 
 ## soak: 8 minutes of concurrent agents (forks, pauses, closes, aborts, injected faults) on a fresh CPU
 ##       server, then leak and integrity checks; writes bench/results/soak.json.
@@ -41,4 +49,4 @@ soak: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache soak --seconds 480 --workers 6 --out bench/results/soak.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_OUT)
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_OUT) $(QUICK_OUT)

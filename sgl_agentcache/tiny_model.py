@@ -1,6 +1,7 @@
 """Write a tiny random-weight Llama model directory for CPU serving and tests.
 
-The directory holds a Llama ``config.json`` (hidden 64, 2 layers, 4 heads, 2 KV heads), a byte-level
+The directory holds a Llama ``config.json`` (``tiny``: hidden 64, 2 layers, 4 heads, 2 KV heads; see
+:data:`SHAPES`), a byte-level
 BPE tokenizer trained locally on a fixed corpus, a ``tokenizer_config.json`` with a chat template, and
 ``generation_config.json``. Weights are never written: serve it with ``--load-format dummy``.
 Nothing is downloaded; the output is deterministic for a given ``vocab_size``.
@@ -61,12 +62,26 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-def make_tiny_model(out_dir: str | Path, *, vocab_size: int = 512, with_tokenizer: bool = True) -> TinyModel:
-    """Create (or overwrite) a tiny Llama model directory at ``out_dir``.
+#: Model shapes: ``tiny`` for tests (prefill is nearly free), ``bench`` for wall-time benchmarks on CPU
+#: (wide and deep enough that recomputing a prefix shows in latency, still a few seconds per 1k tokens).
+SHAPES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16},
+    "bench": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 64},
+}
+
+
+def make_tiny_model(out_dir: str | Path, *, vocab_size: int = 512, with_tokenizer: bool = True,
+                    shape: str = "tiny") -> TinyModel:
+    """Create (or overwrite) a random-weight Llama model directory at ``out_dir`` (``shape``: a key of
+    :data:`SHAPES`; served with ``--load-format dummy``).
 
     With ``with_tokenizer=False`` only the config is written (serve with ``--skip-tokenizer-init``
     and send ``input_ids``); the vocab is then exactly ``vocab_size``.
     """
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = vocab_size
@@ -82,9 +97,7 @@ def make_tiny_model(out_dir: str | Path, *, vocab_size: int = 512, with_tokenize
         })
         _write_json(out / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
     _write_json(out / "config.json", {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPES[shape],
         "vocab_size": vocab, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
         "torch_dtype": "float32", "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,

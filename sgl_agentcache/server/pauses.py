@@ -771,7 +771,9 @@ class PauseBook:
 
 
 def host_capacity_tokens(pool_tokens: int) -> int:
-    return int(os.environ.get(HOST_TOKENS_ENV, 0)) or 4 * pool_tokens
+    """``AGENTCACHE_HOST_TOKENS`` (0 is no host tier), else 4x the device pool."""
+    value = os.environ.get(HOST_TOKENS_ENV, "").strip()
+    return max(int(value), 0) if value else 4 * pool_tokens
 
 
 __all__ = ["PauseBook", "PauseRecord", "PauseSettings", "default_settings", "host_capacity_tokens"]

@@ -14,7 +14,7 @@ def add_arguments(rp: argparse.ArgumentParser) -> None:
     rp.add_argument("--suite", action="store_true",
                     help="every system x workload (generated and real traces) at equal pool and host tier")
     rp.add_argument("--quick", action="store_true",
-                    help="suite: a smoke run (two generated workloads, two seeds, small traces; `make demo`)")
+                    help="suite: a smoke run (generated workloads only, two seeds, small traces; `make demo`)")
     rp.add_argument("--seeds", default=None, help="suite: comma-separated seeds of generated traces (default 1-10)")
     rp.add_argument("--real-seeds", default=None, help="suite: comma-separated seeds of real traces (default 1-5)")
     rp.add_argument("--workloads", default=None, help="suite: comma-separated subset of the workloads")
@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from sgl_agentcache.policy.profiles import resolve_profile
     from sgl_agentcache.sim.policies import POLICIES
     from sgl_agentcache.sim.suite import DEFAULT_POLICIES, REAL_WORKLOADS, SuiteConfig, run_suite, write_report
+    from sgl_agentcache.trace.generators import WORKLOADS
 
     console = Console()
     profile = resolve_profile(args.profile)
@@ -89,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suite:
         config = SuiteConfig()
         if args.quick:
-            config = SuiteConfig(workloads=("short_tools", "branch_heavy"), seeds=(1, 2), real_seeds=(),
-                                 sweep_hosts=(), scale=0.05)
+            config = SuiteConfig(workloads=tuple(WORKLOADS), seeds=(1, 2), real_seeds=(), sweep_hosts=(), scale=0.05)
         config = SuiteConfig(**(config.__dict__ | {
             "policies": policies or DEFAULT_POLICIES, "seeds": _ints(args.seeds, config.seeds),
             "real_seeds": _ints(args.real_seeds, config.real_seeds), "profile": profile.name,

@@ -69,7 +69,7 @@ class SuiteConfig:
     sweep_policies: tuple[str, ...] = ("hicache", OURS)
     sweep_pressure: str = "tight"
     seeds: tuple[int, ...] = tuple(range(1, 11))
-    real_seeds: tuple[int, ...] = tuple(range(1, 6))  # >= 1,000 requests each: fewer seeds suffice
+    real_seeds: tuple[int, ...] = tuple(range(1, 11))
     scale: float = 0.1
     profile: str = "seed"
     workers: int = 2
