@@ -297,15 +297,16 @@ class AgentRadixCache(UnifiedRadixCache):
         return up_to
 
     def _path_nodes(self, req, up_to: int) -> set:
-        """Nodes the request's tokens ``[0, up_to)`` already match in the tree (read-only walk)."""
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        """Device nodes the request's tokens ``[0, up_to)`` reach in the tree, a partly matched last node
+        included. Side-effect free: SGLang's read-only FULL-device walk (``match_full_device_prefix``),
+        never the tree-core match, which re-stamps LRU times along the path and splits a partly
+        matched node -- a quota *check* must not change what eviction picks next."""
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         core = self.tree_core
         key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, cache_salt=req.cache_salt)
-        match = core.match_prefix(MatchPrefixParams(key=key.page_aligned(self.page_size)))
-        self._apply_cache_actions(match.cache_actions)
-        nodes, node = set(), core.node_by_id(match.last_device_node)
+        _, last, _ = core.match_full_device_prefix(key)
+        nodes, node = set(), core.node_by_id(last)
         while node is not None and node is not core.root_node:
             nodes.add(node)
             node = node.parent

@@ -50,6 +50,8 @@ PINS: tuple[Pin, ...] = (
          "target_node", "overlap_node", "overlap_prefix_len", "pending_actions"),
         "the locked-prefix skip moves a fresh walk's node, offset, key and value"),
     Pin(f"{_TREE}._collect_all_nodes", ("self",), "integrity check walks the tree"),
+    Pin(f"{_TREE}.match_full_device_prefix", ("self", "key"),
+        "the quota check's walk must not split nodes or re-stamp LRU times (SGLang's read-only match)"),
     Pin(f"{_TREE}.sanity_check", ("self", "ongoing_write_through", "ongoing_load_back"), "integrity check"),
     Pin(f"{_CACHE}.__init__", ("self", "params"), "AgentRadixCache subclasses it"),
     Pin(f"{_CACHE}.checkpoint_into_tree", ("self", "req", "up_to", "kwargs"), "inserts carry request context"),
