@@ -29,6 +29,8 @@ import logging
 import os
 from collections import OrderedDict
 
+import torch
+
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -38,6 +40,7 @@ from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, 
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank,
                                       namespace_key, namespace_salt)
 from sgl_agentcache.server.admission import parent_refusal
+from sgl_agentcache.server.agreement import default_agreement
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
@@ -115,6 +118,10 @@ class AgentRadixCache(UnifiedRadixCache):
         self.spill = SpillTier(self, self.pauses.host, enabled=False)
         self.set_host_spill(spill)
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
+        # Every copy between the device and the host tier is followed by one agreement step, so a copy
+        # that failed on one TP rank makes every rank take the fallback (see server/agreement.py).
+        self.agreement = default_agreement(self)
+        self.transfer_votes = {"failed_here": 0, "failed_elsewhere": 0}  # this rank's view (stats only)
         # How leaves are ranked for eviction (smallest first): the lifecycle rank, unless a replayed
         # baseline hands the cache its own key (set_eviction_key).
         self.eviction_key = self._lifecycle_key
@@ -199,20 +206,59 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def match_prefix(self, params):
         """Stock match; for a request being matched by the scheduler, first its deferred restores, and
-        after the match, spilled nodes that continue it are loaded back (then it is matched again)."""
+        after the match, spilled nodes that continue it are loaded back (then it is matched again).
+
+        A restore or load-back that fails in any way leaves the request to recompute: its failure is
+        logged and counted, never raised to the scheduler (which would die with every request)."""
         req = params.req
         if req is None:
             return super().match_prefix(params)
         restores = getattr(req, "agentcache_restores", None)
         if restores is not None:  # what found no room stays pending for the request's next match
-            req.agentcache_restores = self.pauses.restore_for_request(*restores)
+            try:
+                req.agentcache_restores = self.pauses.restore_for_request(*restores)
+            except Exception:  # noqa: BLE001 - a broken restore must not take the scheduler down
+                logger.exception("agentcache: restoring host copies for %s failed; recomputing", req.rid)
+                req.agentcache_restores = None
+                self.pauses.abandon_restores(*restores)
         result = super().match_prefix(params)
         spill = self.spill
         if spill.lru and result.device_prefix_len < len(params.key):
-            last = self.tree_core.node_by_id(result.last_device_node)
-            if spill.load_back(params.key, last, result.device_prefix_len):
+            try:
+                last = self.tree_core.node_by_id(result.last_device_node)
+                loaded = spill.load_back(params.key, last, result.device_prefix_len)
+            except Exception:  # noqa: BLE001 - as above: the request recomputes
+                logger.exception("agentcache: loading spilled nodes back for %s failed; recomputing", req.rid)
+                spill.counters["load_errors"] += 1
+                loaded = 0
+            if loaded:
                 result = super().match_prefix(params)
         return result
+
+    def agree(self, ok: bool) -> bool:
+        """Whether the host<->device copy just attempted worked on every TP rank (``ok``: on this one).
+        Called at the same point on every rank, whatever the local outcome."""
+        everywhere = self.agreement(ok)
+        if not ok:
+            self.transfer_votes["failed_here"] += 1
+        elif not everywhere:
+            self.transfer_votes["failed_elsewhere"] += 1
+        return everywhere
+
+    def free_unheld(self, key, slots) -> int:
+        """After a failed re-insert of ``key``'s tail into freshly allocated ``slots``: free those the
+        tree does not hold (an insert that raised part-way may have handed some of them to new nodes).
+        Returns the slots freed."""
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        if not isinstance(key, RadixKey):
+            raise TypeError("free_unheld needs a RadixKey")
+        _, last, _ = self.tree_core.match_full_device_prefix(key)
+        held = self.path_device_indices(last)
+        loose = slots[~torch.isin(slots, held.to(slots.dtype))] if len(held) else slots
+        if len(loose):
+            self.token_to_kv_pool_allocator.free(loose)
+        return len(loose)
 
     def load_spilled(self, key, *, evict: bool) -> int:
         """Load spilled nodes continuing ``key`` now, ahead of its request (a prefetch); with
@@ -574,7 +620,8 @@ class AgentRadixCache(UnifiedRadixCache):
         return counts
 
     def agent_stats(self) -> dict:
-        """The scheduler-side half of ``GET /agentcache/stats``; identical on every TP rank."""
+        """The scheduler-side half of ``GET /agentcache/stats``; identical on every TP rank but for
+        ``transfer_votes`` (which rank's copy failed) and the measured transfer figures."""
         core = self.tree_core
         branches = sorted(core.owner_index, key=lambda b: (b.namespace, b.session, b.branch))
         return {
@@ -598,6 +645,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),
+            "transfer_votes": dict(self.transfer_votes),
         }
 
     def namespace_stats(self, namespace: str) -> dict:

@@ -121,7 +121,7 @@ class HostTier:
         self.demotes = TransferStats()
         self.promotes = TransferStats()
         self.refused_full = 0
-        self._fail_next = {"demote": 0, "promote": 0}
+        self._fail_next = {"demote": [0, False], "promote": [0, False]}  # kind -> [count, unexpected]
         self.spill = None  # the SpillTier sharing this capacity (it registers itself)
 
     # ---- the interface ----
@@ -149,6 +149,7 @@ class HostTier:
             self.delete(branch)
         if not self.has_room(n):
             return None
+        self._maybe_fail("demote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("demote")
@@ -168,6 +169,7 @@ class HostTier:
     def copy_out(self, device_indices):
         """One device->host copy of ``device_indices`` (for :meth:`prepend`, which may hand the same
         copy to several entries); raises :class:`TransferError` when it fails."""
+        self._maybe_fail("demote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("demote")
@@ -199,6 +201,7 @@ class HostTier:
     def copy_in(self, kv, device_indices) -> None:
         """One host->device copy of ``kv`` (a :meth:`copy_out`) into ``device_indices``; raises
         :class:`TransferError` when it fails."""
+        self._maybe_fail("promote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("promote")
@@ -233,6 +236,7 @@ class HostTier:
         begin = entry.segments[first][0]
         if len(device_indices) != entry.end - begin:
             raise ValueError(f"promote: {len(device_indices)} indices for {entry.end - begin} tokens")
+        self._maybe_fail("promote", wrapped=False)
         began = time.perf_counter()
         nbytes = 0
         try:
@@ -257,16 +261,21 @@ class HostTier:
 
     # ---- faults and views ----
 
-    def fail_next(self, kind: str, count: int = 1) -> None:
-        """Make the next ``count`` transfers of ``kind`` ("demote" or "promote") fail (tests only)."""
+    def fail_next(self, kind: str, count: int = 1, *, unexpected: bool = False) -> None:
+        """Make the next ``count`` transfers of ``kind`` ("demote" or "promote") fail (tests only): as a
+        :class:`TransferError`, or with ``unexpected`` as a bare ``ValueError`` raised before the copy
+        (what a caller's bad argument raises, e.g. :meth:`promote`'s length check)."""
         if kind not in self._fail_next:
             raise ValueError(f"unknown transfer kind {kind!r}")
-        self._fail_next[kind] = count
+        self._fail_next[kind] = [count, unexpected]
 
-    def _maybe_fail(self, kind: str) -> None:
-        if self._fail_next[kind] > 0:
-            self._fail_next[kind] -= 1
-            raise RuntimeError(f"injected {kind} failure")
+    def _maybe_fail(self, kind: str, wrapped: bool = True) -> None:
+        armed = self._fail_next[kind]
+        if armed[0] > 0 and armed[1] != wrapped:
+            armed[0] -= 1
+            if wrapped:
+                raise RuntimeError(f"injected {kind} failure")
+            raise ValueError(f"injected unexpected {kind} failure")
 
     def stats(self) -> dict:
         return {"capacity_tokens": self.capacity_tokens, "used_tokens": self.used_tokens,

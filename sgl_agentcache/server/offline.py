@@ -170,7 +170,8 @@ def offline_context(server_args: ServerArgs | None = None) -> RuntimeContext:
 
 def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: int = 64,
                         enable_session_radix_cache: bool = False, *, context_len: int | None = None,
-                        server_args: ServerArgs | None = None, stock: bool = False) -> AgentRadixCache:
+                        server_args: ServerArgs | None = None, stock: bool = False,
+                        tp_group: Any = None) -> AgentRadixCache:
     """Build the real ``AgentRadixCache`` over real SGLang memory pools on CPU.
 
     - ``pool_tokens``: KV slots in the pool (the allocator's ``size``; rounded down to whole pages).
@@ -182,6 +183,9 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
       and ``enable_session_radix_cache`` must agree with the arguments).
     - ``stock``: build SGLang's own ``UnifiedRadixCache`` on its Python tree core instead (the
       default chain, no plugin): the baseline the replayer measures against.
+    - ``tp_group``: a CPU (gloo) ``torch.distributed`` group standing for the TP ranks (the scheduler
+      passes its ``tp_cache_group``): each process builds its own cache, drives it with the same calls
+      and the caches agree on transfer outcomes over it (``AgentRadixCache.agree``). Tests only.
 
     The cache is built through ``sglang.srt.mem_cache.registry.create_tree_cache`` -- the scheduler's
     own entry -- so our registered ``agentcache`` factory (with its pinned-internals check) runs. The
@@ -230,11 +234,14 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
             eviction_policy_config=memory.radix_eviction_policy_config,
             enable_session_radix_cache=memory.enable_session_radix_cache,
             tree_core_backend="python" if stock else BACKEND_NAME,  # agentcache_factory sets it too
+            tp_cache_group=tp_group,
         )
+        tp_size = 1 if tp_group is None else torch.distributed.get_world_size(group=tp_group)
+        tp_rank = 0 if tp_group is None else torch.distributed.get_rank(group=tp_group)
         build = TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
             enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
-            tp_size=1, tp_rank=0, tp_group=None,
+            tp_size=tp_size, tp_rank=tp_rank, tp_group=tp_group,
         )
         cache = create_tree_cache(build)
     if not stock and not isinstance(cache, AgentRadixCache):

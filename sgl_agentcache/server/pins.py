@@ -71,6 +71,8 @@ PINS: tuple[Pin, ...] = (
     Pin(f"{_CACHE}.match_prefix", ("self", "params"),
         "a restore finds the prefix a host copy hangs from; a request's deferred restores run before its match"),
     Pin(f"{_CACHE}.insert", ("self", "params"), "a restore re-inserts the offloaded nodes"),
+    Pin(f"{_CACHE}._all_reduce", ("self", "data", "tp_reduce_op"),
+        "every TP rank agrees on a host<->device copy's outcome before acting on it (server/agreement.py)"),
     Pin(f"{_CACHE}.path_device_indices", ("self", "node"), "a restore reuses the resident prefix's slots"),
     Pin(f"{_CACHE}.lock", ("self", "node_id", "skip_lock_components"), "a restore locks its prefix while evicting"),
     Pin(f"{_CACHE}.unlock", ("self", "lock"), "a restore locks its prefix while evicting"),
