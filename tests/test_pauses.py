@@ -704,3 +704,38 @@ def test_discarding_a_lead_spills_the_node_its_subagents_copy_hangs_from():
     again = h.turn("d", fork_prompt + [7, 8], [9], branch="w", parent_branch="main", fork_point_tokens=len(lead))
     assert again.cached_tokens == len(fork_prompt) + 1 and pauses.counters["restore_failures"]["gap"] == 0
     h.assert_clean()
+
+
+def test_an_offload_that_frees_less_than_it_copied_is_handled_not_asserted():
+    """Issue #22 item 14: ``assert freed == moved`` ran in the serving path (an offload): a node of the
+    suffix locked between the copy and the eviction -- as HiCache's backup in flight does -- killed
+    the scheduler. The offload now frees what it can, counts the rest, keeps the copy whole, and the
+    restore copies back only what the device lost."""
+    h = Harness()
+    pauses, prompt = h.cache.pauses, ids(0, 300)
+    h.turn("l", prompt, [3])
+    second = prompt + [3] + ids(700, 20)
+    h.turn("l", second, [4])
+    branch = BranchKey(NS, "l", "main")
+    chain = pauses.movable_suffix(branch)
+    assert [len(n.key) for n in chain] == [300 - STABLE, 21]
+    demote, held = pauses.host.demote, {}
+
+    def demote_then_lock(*args, **kwargs):  # the copy works, then something locks the suffix's top node
+        entry = demote(*args, **kwargs)
+        held["lock"] = h.cache.lock(chain[0].id)
+        return entry
+
+    pauses.host.demote = demote_then_lock
+    free_before = h.driver.free_tokens()
+    result = h.pause("l", force=PauseAction.OFFLOAD)
+    pauses.host.demote = demote
+    assert result["action"] == "offload" and pauses.counters["offload_partial"] == 1
+    assert h.driver.free_tokens() == free_before + 21  # the unlocked leaf left the device, the top stayed
+    assert pauses.host.tokens_of(branch) == 300 - STABLE + 21  # the copy is whole
+    with h.driver.activated():
+        h.cache.unlock(held["lock"])
+    h.assert_clean()
+    again = h.turn("l", second + [4], [5])
+    assert again.cached_tokens == 321 and pauses.counters["restores"] == 1
+    h.assert_clean()

@@ -1,7 +1,8 @@
 """``AgentRadixCache`` and the ``agentcache`` radix-cache backend factory.
 
-The cache is a ``UnifiedRadixCache`` (so HiCache, session-radix references, streaming sessions and TLRU
-keep working) built by SGLang's own ``create_unified_radix_cache(ctx, cache_class=...)`` on top of
+The cache is a ``UnifiedRadixCache`` (so session-radix references, streaming sessions and TLRU keep
+working; HiCache is refused at start-up, see ``server/topology.py``) built by SGLang's own
+``create_unified_radix_cache(ctx, cache_class=...)`` on top of
 :class:`~sgl_agentcache.server.tree_core.AgentTreeCore`, which SGLang selects through
 ``CacheInitParams.tree_core_backend``.
 
@@ -110,13 +111,9 @@ class AgentRadixCache(UnifiedRadixCache):
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
         # Evicted nodes kept on the host tier and loaded back on a later match (HiCache's write-back
-        # semantics); never beside HiCache itself, which already does exactly that with its own pool.
-        spill = os.environ.get(HOST_SPILL_ENV, "0") == "1"
-        if spill and getattr(self, "cache_controller", None) is not None:
-            logger.info("agentcache: HiCache is on; it keeps evicted nodes on host, so %s is ignored", HOST_SPILL_ENV)
-            spill = False
+        # semantics; HiCache itself never runs beside this cache, see server/topology.py).
         self.spill = SpillTier(self, self.pauses.host, enabled=False)
-        self.set_host_spill(spill)
+        self.set_host_spill(os.environ.get(HOST_SPILL_ENV, "0") == "1")
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # Every copy between the device and the host tier is followed by one agreement step, so a copy
         # that failed on one TP rank makes every rank take the fallback (see server/agreement.py).
@@ -680,11 +677,18 @@ def agentcache_factory(ctx):
     from sglang.srt.mem_cache import registry
 
     from sgl_agentcache.server.pins import check_pinned_internals
+    from sgl_agentcache.server.topology import UnsupportedTopology, refusal
 
     check_pinned_internals()
     if ctx.disable_radix_cache:
         logger.info("agentcache: --disable-radix-cache is set; deferring to SGLang's default cache chain")
         return registry.default_radix_cache_factory(ctx)
+    # Normally refused before any process starts (server/topology.py); again here for a scheduler built
+    # any other way, before anything of ours runs beside HiCache or across pipeline stages.
+    reason = refusal(BACKEND_NAME, 1, 1, 1, False, hierarchical_cache=bool(ctx.enable_hierarchical_cache),
+                     pp_size=int(getattr(ctx.params, "pp_size", 1) or 1))
+    if reason is not None:
+        raise UnsupportedTopology(reason)
     ctx.params.tree_core_backend = BACKEND_NAME
     return registry.create_unified_radix_cache(ctx, cache_class=AgentRadixCache)
 

@@ -11,8 +11,10 @@ reads a clock, so every TP rank decides the same).
 Why not SGLang's HiCache here: HiCache is node-granular write-through (every inserted node is backed
 up, evicted ones are loaded back on a later match). A tool pause needs the opposite grain -- one
 explicit move of one branch's private suffix, at a moment the policy chooses -- and HiCache cannot
-start on CPU (``cudaHostRegister``, see ``docs/cpu-sglang-recipe.md``). This tier runs alongside
-HiCache when that is enabled on GPU; the two never hold the same node (ours holds evicted suffixes).
+start on CPU (``cudaHostRegister``, see ``docs/cpu-sglang-recipe.md``). HiCache is not run beside this
+tier: it would keep on its own host pool the nodes our closes and offloads free (start-up refuses the
+combination, ``server/topology.py``); the node spill (:mod:`~sgl_agentcache.server.spill`) gives its
+write-back semantics here.
 
 Capacity is in tokens (``AGENTCACHE_HOST_TOKENS``, default 4x the device pool), one budget
 shared with the node spill (:mod:`~sgl_agentcache.server.spill`, evicted nodes kept on host): a copy
