@@ -739,3 +739,32 @@ def test_an_offload_that_frees_less_than_it_copied_is_handled_not_asserted():
     again = h.turn("l", second + [4], [5])
     assert again.cached_tokens == 321 and pauses.counters["restores"] == 1
     h.assert_clean()
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_a_waiting_request_is_restored_when_admitted_not_when_ranked(policy):
+    """Issue #22 item 12: with a cache-aware schedule policy the scheduler matches every waiting request
+    at every step to rank the queue (SchedulePolicy.calc_priority), and each of those matches ran the
+    request's restore: KV copied back for requests that then kept waiting, unlocked, in the pool the
+    running batch evicts from. Ranking matches leave the copy on host now; the admission match brings
+    it back."""
+    h = Harness()
+    pauses = h.cache.pauses
+    prompt = ids(0, 300)
+    h.turn("w", prompt, [3])
+    h.pause("w", force=PauseAction.OFFLOAD)
+    on_host = pauses.host.used_tokens
+    branch = BranchKey(NS, "w", "main")
+    waiting = h.driver.queue("back", prompt + [3] + ids(600, 10),
+                             kv_hints=lifecycle_envelope(hint("w"), message_id="back"))
+    other = h.driver.queue("other", ids(800, 50))
+    for _ in range(3):  # three scheduler steps in which the request is ranked but not admitted
+        assert set(h.driver.rank([other, waiting], policy)) == {other, waiting}
+    assert pauses.host.used_tokens == on_host and pauses.records[branch].resuming
+    assert pauses.counters["restores"] == 0 and h.cache.ranking_deferred == 3
+    admitted = h.driver.admit_queued(waiting)  # its admission match restores it
+    assert admitted.cached_tokens == 300 and pauses.counters["restores"] == 1
+    assert pauses.host.used_tokens == 0 and branch not in pauses.records
+    h.driver.finish(admitted)
+    h.driver.finish(h.driver.admit_queued(other))
+    h.assert_clean()

@@ -262,3 +262,20 @@ def test_any_failure_of_a_load_back_in_the_match_falls_back_to_recompute(where):
     counters = cache.spill.counters
     assert (counters["load_failed"], counters["load_errors"]) == ((1, 0) if where == "copy" else (0, 1))
     assert_clean(driver)
+
+
+def test_a_waiting_request_loads_back_when_admitted_not_when_ranked():
+    """Issue #22 item 12 for the node spill: the scheduler's ranking matches (lpm) load nothing back."""
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    run(driver, "a", ids(10, 200), out=(5, 6))
+    run(driver, "b", ids(300, 150))  # a goes to host
+    spilled = cache.spill.tokens
+    waiting = driver.queue("c", ids(10, 200) + [5, 6, 9])
+    for _ in range(3):
+        driver.rank([waiting], "lpm")
+    assert cache.spill.tokens == spilled and cache.spill.counters["loads"] == 0
+    admitted = driver.admit_queued(waiting)
+    assert admitted.cached_tokens == 201 and cache.spill.counters["loads"] == 1
+    driver.finish(admitted)
+    assert_clean(driver)

@@ -29,6 +29,7 @@ import heapq
 import logging
 import os
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 
@@ -101,6 +102,10 @@ class AgentRadixCache(UnifiedRadixCache):
         self.closed = RecentBranches(retained=holds)
         self.seen = RecentBranches(by_session=True, retained=holds)
         self.scheduler = None  # set on the first request; read only by queue metrics
+        # True while the scheduler matches its waiting queue only to rank it (SchedulePolicy.calc_priority,
+        # see ranking_matches): no restore or load-back runs for those matches.
+        self.ranking = False
+        self.ranking_deferred = 0  # ranking matches that left a request's pending restores alone
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
         self.freed_on_close_tokens = 0
@@ -205,10 +210,20 @@ class AgentRadixCache(UnifiedRadixCache):
         """Stock match; for a request being matched by the scheduler, first its deferred restores, and
         after the match, spilled nodes that continue it are loaded back (then it is matched again).
 
+        Not while the scheduler only ranks its waiting queue (:meth:`ranking_matches`): with a
+        cache-aware ``--schedule-policy`` (``lpm``, ``dfs-weight``) it matches every waiting request at
+        every step, and a restore there would fill the pool with copies of requests that then wait on,
+        unlocked, in the pool the running batch evicts from. They run at the admission match (the
+        scheduler's ``init_next_round_input`` right before the ``PrefillAdder`` takes the request).
+
         A restore or load-back that fails in any way leaves the request to recompute: its failure is
         logged and counted, never raised to the scheduler (which would die with every request)."""
         req = params.req
         if req is None:
+            return super().match_prefix(params)
+        if self.ranking:  # only ranked: its copies come back when it is matched for admission
+            if getattr(req, "agentcache_restores", None) is not None:
+                self.ranking_deferred += 1
             return super().match_prefix(params)
         restores = getattr(req, "agentcache_restores", None)
         if restores is not None:  # what found no room stays pending for the request's next match
@@ -231,6 +246,16 @@ class AgentRadixCache(UnifiedRadixCache):
             if loaded:
                 result = super().match_prefix(params)
         return result
+
+    @contextmanager
+    def ranking_matches(self):
+        """The scheduler's matches inside this block only rank its waiting queue (the plugin wraps
+        ``SchedulePolicy.calc_priority`` in it, ``server/admission.py``): no restore, no load-back."""
+        outer, self.ranking = self.ranking, True
+        try:
+            yield self
+        finally:
+            self.ranking = outer
 
     def agree(self, ok: bool) -> bool:
         """Whether the host<->device copy just attempted worked on every TP rank (``ok``: on this one).
@@ -643,6 +668,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),
             "transfer_votes": dict(self.transfer_votes),
+            "ranking_deferred_restores": self.ranking_deferred,
         }
 
     def namespace_stats(self, namespace: str) -> dict:

@@ -13,7 +13,9 @@ scheduler would pick for that page size.
 SGLang functions the scheduler calls, in the same order:
 
 - ``admit``: ``Req(...)`` and, for a hinted request, ``AgentRadixCache.admit`` (the plugin's hook on
-  ``Scheduler._create_generation_req``); ``Req.init_next_round_input(tree_cache)`` (``match_kv_cache``);
+  ``Scheduler._create_generation_req``) -- :meth:`OfflineDriver.queue` alone, with
+  :meth:`OfflineDriver.rank` for the queue ranking in between --;
+  ``Req.init_next_round_input(tree_cache)`` (``match_kv_cache``);
   ``tree_cache.lock(last_node)`` (``PrefillAdder._commit_prefill_admission``); then ``alloc_for_extend``
   for a batch of one: ``alloc_req_slots``, ``alloc_token_slots`` / ``alloc_paged_token_slots_extend``
   (which evict through ``allocator.evict_to_free_tokens`` -> ``tree_cache.evict_for_alloc``),
@@ -354,6 +356,15 @@ class OfflineDriver:
         makes this the first chunk of a chunked prefill (floored to whole pages); continue it with
         :meth:`checkpoint` and :meth:`prefill_next_chunk`.
         """
+        req = self.queue(rid, input_ids, kv_hints, extra_key, cache_salt, session_id)
+        return self.admit_queued(req, max_prefill_tokens=max_prefill_tokens)
+
+    def queue(self, rid: str, input_ids: Sequence[int], kv_hints: dict | Any | None = None,
+              extra_key: str | None = None, cache_salt: str | None = None,
+              session_id: str | None = None) -> OfflineReq:
+        """The first half of :meth:`admit`: create the request as the scheduler does when it arrives
+        (``Req(...)`` and the plugin's admission hook), without matching or allocating; it waits in the
+        queue until :meth:`admit_queued`. Meanwhile :meth:`rank` can rank it as the scheduler does."""
         with self.activated():
             if rid in self.live:
                 raise ValueError(f"request {rid!r} is already live")
@@ -375,6 +386,29 @@ class OfflineDriver:
                     raise OfflineRefused(f"request {rid!r} refused: {refusal}")
             if session_id is not None and cache.enable_session_radix_cache:
                 req.session_generation = cache.ensure_session_generation(session_id)
+            return req
+
+    def rank(self, waiting: Sequence[OfflineReq], policy: str = "lpm") -> list[OfflineReq]:
+        """Rank queued requests as ``Scheduler.get_new_batch_prefill`` does at every step before it
+        admits any: SGLang's ``SchedulePolicy(policy).calc_priority`` (which matches each request
+        against the tree for cache-aware policies), through the plugin's hook on it. Returns the
+        requests in SGLang's order; nothing is admitted."""
+        from sglang.srt.managers.schedule_policy import SchedulePolicy
+
+        from sgl_agentcache.server.admission import _around_calc_priority
+
+        with self.activated():
+            queue = list(waiting)
+            scheduler_policy = SchedulePolicy(policy, self.cache, False, False, False)
+            _around_calc_priority(SchedulePolicy.calc_priority, scheduler_policy, queue)
+            return queue
+
+    def admit_queued(self, req: OfflineReq, *, max_prefill_tokens: int | None = None) -> OfflineReq:
+        """The second half of :meth:`admit`: match, lock and allocate a :meth:`queue`d request."""
+        with self.activated():
+            if req.rid in self.live:
+                raise ValueError(f"request {req.rid!r} is already live")
+            cache = self.cache
             # Scheduler.get_new_batch_prefill: match the prefix (match_kv_cache) ...
             req.init_next_round_input(cache)
             # ... PrefillAdder: pick the extend and pin the match (_commit_prefill_admission).
@@ -386,7 +420,7 @@ class OfflineDriver:
                 cache.unlock(req.lock)
                 req.lock = None
                 raise
-            self.live[rid] = req
+            self.live[req.rid] = req
             return req
 
     def checkpoint(self, req: OfflineReq) -> None:
