@@ -32,7 +32,6 @@ from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
-
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
