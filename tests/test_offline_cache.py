@@ -19,7 +19,7 @@ from sgl_agentcache.server.offline import (
     OfflineRefused,
     build_offline_cache,
 )
-from sgl_agentcache.server.tree_core import AgentTreeCore
+from sgl_agentcache.server.tree_core import FULL, AgentTreeCore
 
 
 def ids(start: int, n: int) -> list[int]:
@@ -285,3 +285,65 @@ def test_a_namespace_flooding_closes_never_revives_another_namespaces_closed_bra
     driver.finish(late)
     assert cache.tree_core.owned_tokens(closed) == 0
     assert_idle_ok(driver)
+
+
+def _tree_snapshot(cache) -> dict:
+    """Every node with what eviction reads from it: key length, LRU stamp, device slots, parent."""
+    core = cache.tree_core
+    return {n.id: (len(n.key) if n.key is not None else 0, n.last_access_time,
+                   None if n.parent is None else n.parent.id,
+                   _slots(n.component_data[FULL].value))
+            for n in core.all_nodes()}
+
+
+def _slots(value) -> list | None:
+    return None if value is None else [int(v) for v in value]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_quota_checks_walk_the_tree_without_touching_it(page_size):
+    """Issue #22 item 13: the quota check's walk (``_path_nodes``) went through the tree-core match,
+    which re-stamps the LRU time of every node on the path and splits a partly matched node: a check
+    changed what eviction takes next. It changes nothing now, and still names the partly matched node
+    (the insert would walk through it)."""
+    from array import array
+    from types import SimpleNamespace
+
+    driver = OfflineDriver(pool_tokens=1024, page_size=page_size)
+    cache = driver.cache
+    for rid, prompt in (("a", ids(10, 100)), ("b", ids(300, 40))):  # b is the most recently used
+        req = driver.admit(rid, prompt)
+        driver.extend(req, [500])
+        driver.finish(req)
+    before = _tree_snapshot(cache)
+    # a's prompt for 60 tokens, then a different continuation: a's node is matched only in part.
+    probe = SimpleNamespace(full_untruncated_fill_ids=array("q", ids(10, 60) + ids(200, 8)), extra_key=None,
+                            cache_salt=None)  # what _path_nodes reads of a Req
+    with driver.activated():
+        path = cache._path_nodes(probe, len(probe.full_untruncated_fill_ids))
+    assert _tree_snapshot(cache) == before  # no split, no LRU stamp
+    a_tip = {n for n in cache.tree_core.all_nodes() if n.key is not None and len(n.key) and n.key.token_ids[0] == 10}
+    assert a_tip and a_tip <= path
+    assert_idle_ok(driver)
+
+
+@pytest.mark.parametrize("hicache, pp_size, needle", [
+    (True, 1, "--enable-hierarchical-cache"), (False, 2, "pipeline parallelism"), (False, 1, None),
+])
+def test_unsupported_deployments_are_refused_by_the_backend_factory_too(hicache, pp_size, needle):
+    """HiCache beside our tier (issue #22 item 14) and pipeline stages the transfer agreement does not
+    cover (item 11) are refused at start-up (server/topology.py) and, for a scheduler built any other
+    way, by the backend factory before anything is built."""
+    from types import SimpleNamespace
+
+    from sgl_agentcache.server.cache import agentcache_factory
+    from sgl_agentcache.server.topology import UnsupportedTopology, refusal
+
+    reason = refusal("agentcache", 1, 1, 1, False, hierarchical_cache=hicache, pp_size=pp_size)
+    assert reason is None if needle is None else needle in reason
+    assert refusal(None, 1, 1, 1, False, hierarchical_cache=hicache, pp_size=pp_size) is None  # not ours
+    if needle is not None:
+        ctx = SimpleNamespace(disable_radix_cache=False, enable_hierarchical_cache=hicache,
+                              params=SimpleNamespace(pp_size=pp_size))
+        with pytest.raises(UnsupportedTopology, match=needle.replace("-", r"\-")):
+            agentcache_factory(ctx)

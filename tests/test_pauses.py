@@ -265,6 +265,76 @@ def test_failed_transfers_fall_back_to_recompute(kind):
     h.assert_clean()
 
 
+def _raise_once(target, name: str, *, after: bool = False):
+    """Make ``target.name`` raise a RuntimeError on its next call (``after``: once the real call has
+    done its work, as an insert failing part-way would), then behave normally again."""
+    original = getattr(target, name)
+    state = {"armed": True}
+
+    def wrapper(*args, **kwargs):
+        if not state["armed"]:
+            return original(*args, **kwargs)
+        state["armed"] = False
+        if after:
+            original(*args, **kwargs)
+        raise RuntimeError(f"injected failure of {name}")
+
+    setattr(target, name, wrapper)
+    return state
+
+
+@pytest.mark.parametrize("where", ["promote", "insert", "insert-after", "restore"])
+def test_any_failure_of_a_restore_in_the_match_falls_back_to_recompute(where):
+    """Issue #22 item 10: a restore runs inside the scheduler's match (``match_prefix``), and only a
+    ``TransferError`` was handled there: ``promote``'s ``ValueError``, a failing re-insert or anything
+    else reached the scheduler, which dies with every request. Each now leaves the request to
+    recompute, drops the copy, ends the pause, leaks no slot, and the next turn works."""
+    h = Harness()
+    pauses = h.cache.pauses
+    prompt = ids(0, 300)
+    h.turn("u", prompt, [3])
+    assert h.pause("u", force=PauseAction.OFFLOAD)["action"] == "offload"
+    if where == "promote":  # a bare ValueError, raised before the copy (promote's own length check)
+        pauses.host.fail_next("promote", unexpected=True)
+    elif where == "restore":  # anything at all, caught by match_prefix itself
+        armed = _raise_once(pauses, "_restore")
+    else:
+        armed = _raise_once(h.cache, "insert", after=where == "insert-after")
+    again = h.turn("u", prompt + [3], [4])
+    # Recomputed; except that an insert which did its work before raising left its nodes in the tree
+    # (their KV had been copied back whole): the tree keeps those slots, only the others are freed.
+    assert again.cached_tokens == (300 if where == "insert-after" else STABLE)
+    if where != "promote":
+        assert not armed["armed"]  # the failure was really injected
+    failures = pauses.counters["restore_failures"]
+    assert (failures["transfer_failed"], failures["error"]) == ((1, 0) if where == "promote" else (0, 1))
+    assert pauses.host.used_tokens == 0 and not pauses.records
+    h.assert_clean()
+    assert h.driver.idle_free_tokens() == h.driver.pool_tokens  # no slot leaked, none freed twice
+    h.pause("u", force=PauseAction.OFFLOAD)  # and the branch pauses and restores normally afterwards
+    last = h.turn("u", prompt + [3, 4], [5])
+    assert last.cached_tokens == 300 + 1 and pauses.counters["restores"] == 1  # all it has KV for
+    h.assert_clean()
+
+
+def test_a_failing_restore_of_a_paused_lead_for_its_fork_leaves_the_lead_paused_without_a_copy():
+    """The fork's deferred restore of its paused lead's history raises: the fork recomputes, the lead
+    stays paused (its tool still runs) with nothing on host."""
+    h = Harness()
+    pauses = h.cache.pauses
+    lead = ids(0, 200)
+    h.turn("p", lead, [3, 4])
+    h.pause("p", force=PauseAction.OFFLOAD)
+    armed = _raise_once(pauses, "restore_for_fork")
+    fork = h.turn("p", lead + [3, 4] + ids(900, 20), [7], branch="w", parent_branch="main",
+                  fork_point_tokens=len(lead) + 2)
+    assert not armed["armed"] and fork.cached_tokens == STABLE
+    record = pauses.records[BranchKey(NS, "p", "main")]
+    assert record.placement.value == "none" and pauses.host.used_tokens == 0
+    assert pauses.counters["restore_failures"]["error"] == 1
+    h.assert_clean()
+
+
 def test_restore_with_its_prefix_gone_recomputes():
     h = Harness(pool_tokens=1024)
     prompt = ids(0, 300)
@@ -633,4 +703,68 @@ def test_discarding_a_lead_spills_the_node_its_subagents_copy_hangs_from():
     assert pauses.counters["anchor_spilled_tokens"] > 0 and pauses.counters["anchor_spills"] >= 1
     again = h.turn("d", fork_prompt + [7, 8], [9], branch="w", parent_branch="main", fork_point_tokens=len(lead))
     assert again.cached_tokens == len(fork_prompt) + 1 and pauses.counters["restore_failures"]["gap"] == 0
+    h.assert_clean()
+
+
+def test_an_offload_that_frees_less_than_it_copied_is_handled_not_asserted():
+    """Issue #22 item 14: ``assert freed == moved`` ran in the serving path (an offload): a node of the
+    suffix locked between the copy and the eviction -- as HiCache's backup in flight does -- killed
+    the scheduler. The offload now frees what it can, counts the rest, keeps the copy whole, and the
+    restore copies back only what the device lost."""
+    h = Harness()
+    pauses, prompt = h.cache.pauses, ids(0, 300)
+    h.turn("l", prompt, [3])
+    second = prompt + [3] + ids(700, 20)
+    h.turn("l", second, [4])
+    branch = BranchKey(NS, "l", "main")
+    chain = pauses.movable_suffix(branch)
+    assert [len(n.key) for n in chain] == [300 - STABLE, 21]
+    demote, held = pauses.host.demote, {}
+
+    def demote_then_lock(*args, **kwargs):  # the copy works, then something locks the suffix's top node
+        entry = demote(*args, **kwargs)
+        held["lock"] = h.cache.lock(chain[0].id)
+        return entry
+
+    pauses.host.demote = demote_then_lock
+    free_before = h.driver.free_tokens()
+    result = h.pause("l", force=PauseAction.OFFLOAD)
+    pauses.host.demote = demote
+    assert result["action"] == "offload" and pauses.counters["offload_partial"] == 1
+    assert h.driver.free_tokens() == free_before + 21  # the unlocked leaf left the device, the top stayed
+    assert pauses.host.tokens_of(branch) == 300 - STABLE + 21  # the copy is whole
+    with h.driver.activated():
+        h.cache.unlock(held["lock"])
+    h.assert_clean()
+    again = h.turn("l", second + [4], [5])
+    assert again.cached_tokens == 321 and pauses.counters["restores"] == 1
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_a_waiting_request_is_restored_when_admitted_not_when_ranked(policy):
+    """Issue #22 item 12: with a cache-aware schedule policy the scheduler matches every waiting request
+    at every step to rank the queue (SchedulePolicy.calc_priority), and each of those matches ran the
+    request's restore: KV copied back for requests that then kept waiting, unlocked, in the pool the
+    running batch evicts from. Ranking matches leave the copy on host now; the admission match brings
+    it back."""
+    h = Harness()
+    pauses = h.cache.pauses
+    prompt = ids(0, 300)
+    h.turn("w", prompt, [3])
+    h.pause("w", force=PauseAction.OFFLOAD)
+    on_host = pauses.host.used_tokens
+    branch = BranchKey(NS, "w", "main")
+    waiting = h.driver.queue("back", prompt + [3] + ids(600, 10),
+                             kv_hints=lifecycle_envelope(hint("w"), message_id="back"))
+    other = h.driver.queue("other", ids(800, 50))
+    for _ in range(3):  # three scheduler steps in which the request is ranked but not admitted
+        assert set(h.driver.rank([other, waiting], policy)) == {other, waiting}
+    assert pauses.host.used_tokens == on_host and pauses.records[branch].resuming
+    assert pauses.counters["restores"] == 0 and h.cache.ranking_deferred == 3
+    admitted = h.driver.admit_queued(waiting)  # its admission match restores it
+    assert admitted.cached_tokens == 300 and pauses.counters["restores"] == 1
+    assert pauses.host.used_tokens == 0 and branch not in pauses.records
+    h.driver.finish(admitted)
+    h.driver.finish(h.driver.admit_queued(other))
     h.assert_clean()

@@ -133,12 +133,15 @@ def test_passed_deadline_releases_every_tier(server, tokens):
     _check(server)
 
 
-@pytest.mark.parametrize("kind", ["demote", "promote"])
-def test_failed_transfer_falls_back_to_recompute(server, tokens, kind):
-    status, armed = _post(server, "/agentcache/fault", {"kind": kind, "count": 1})
+@pytest.mark.parametrize("kind, unexpected", [("demote", False), ("promote", False), ("promote", True)])
+def test_failed_transfer_falls_back_to_recompute(server, tokens, kind, unexpected):
+    """A failed copy falls back to recompute. ``unexpected``: the restore (inside the scheduler's match)
+    raises a bare ValueError instead of a transfer error, which used to kill the scheduler (issue #22
+    item 10); the request recomputes and the server lives on."""
+    status, armed = _post(server, "/agentcache/fault", {"kind": kind, "count": 1, "unexpected": unexpected})
     assert status == 200, armed
     before = _stats(server)["pauses"]
-    session = f"fault-{kind}"
+    session = f"fault-{kind}-{unexpected}"
     _, _, cached2, paused = _conversation(server, tokens, session, f"{session}-ns", pause_body={"tool_class": "ci_run"})
     after = _stats(server)["pauses"]
     assert cached2 == STABLE
@@ -149,6 +152,7 @@ def test_failed_transfer_falls_back_to_recompute(server, tokens, kind):
         assert after["restore_failures"]["transfer_failed"] == before["restore_failures"]["transfer_failed"] + 1
     assert after["host"]["used_tokens"] == before["host"]["used_tokens"]
     _check(server)
+    _gen(server, tokens.ids(50), f"{session}-after", extra_key=f"{session}-ns")  # the scheduler still serves
 
 
 def test_pause_routes_reject_bad_input_and_change_nothing(server, tokens):

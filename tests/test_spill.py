@@ -9,6 +9,7 @@ entries, a purged tenant's and everything on a reset go; a failed copy falls bac
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sgl_agentcache.hints import lifecycle_envelope
@@ -219,3 +220,62 @@ def test_paged_pool_spills_and_loads_whole_pages():
     assert run(driver, "c", ids(10, 200) + [3]) == 200
     assert_clean(driver)
     assert all(n.component_data[FULL].value is None or len(n.key) % 4 == 0 for n in cache.tree_core.all_nodes()[1:])
+
+
+def _raise_once(target, name: str, *, after: bool = False) -> dict:
+    """Make ``target.name`` raise on its next call (``after``: once the real call did its work)."""
+    original = getattr(target, name)
+    state = {"armed": True}
+
+    def wrapper(*args, **kwargs):
+        if not state["armed"]:
+            return original(*args, **kwargs)
+        state["armed"] = False
+        if after:
+            original(*args, **kwargs)
+        raise RuntimeError(f"injected failure of {name}")
+
+    setattr(target, name, wrapper)
+    return state
+
+
+@pytest.mark.parametrize("where", ["copy", "insert", "insert-after", "load_back"])
+def test_any_failure_of_a_load_back_in_the_match_falls_back_to_recompute(where):
+    """Issue #22 item 10: a load-back runs inside the scheduler's match; a bare error from the copy, a
+    failing re-insert or anything else reached the scheduler. The request recomputes now, the chain
+    leaves the host tier, no slot leaks or is freed twice."""
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    run(driver, "a", ids(10, 200), out=(5, 6))
+    run(driver, "b", ids(300, 150))  # a goes to host
+    assert cache.spill.tokens > 0
+    if where == "copy":
+        cache.pauses.host.fail_next("promote", unexpected=True)
+    elif where == "load_back":
+        armed = _raise_once(cache.spill, "load_back")
+    else:
+        armed = _raise_once(cache, "insert", after=where == "insert-after")
+    cached = run(driver, "c", ids(10, 200) + [5, 6, 9])
+    assert cached == 0  # (an insert that did its work before raising leaves its node to the next match)
+    if where != "copy":
+        assert not armed["armed"]
+    counters = cache.spill.counters
+    assert (counters["load_failed"], counters["load_errors"]) == ((1, 0) if where == "copy" else (0, 1))
+    assert_clean(driver)
+
+
+def test_a_waiting_request_loads_back_when_admitted_not_when_ranked():
+    """Issue #22 item 12 for the node spill: the scheduler's ranking matches (lpm) load nothing back."""
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    run(driver, "a", ids(10, 200), out=(5, 6))
+    run(driver, "b", ids(300, 150))  # a goes to host
+    spilled = cache.spill.tokens
+    waiting = driver.queue("c", ids(10, 200) + [5, 6, 9])
+    for _ in range(3):
+        driver.rank([waiting], "lpm")
+    assert cache.spill.tokens == spilled and cache.spill.counters["loads"] == 0
+    admitted = driver.admit_queued(waiting)
+    assert admitted.cached_tokens == 201 and cache.spill.counters["loads"] == 1
+    driver.finish(admitted)
+    assert_clean(driver)

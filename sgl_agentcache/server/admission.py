@@ -9,6 +9,13 @@ request-local state) runs as each request is created:
 - a fork whose parent branch the server has never seen, or that was closed, is refused with HTTP 400
   before it allocates anything (the request is finished with an abort that our release path does not
   treat as the branch's own abort, so the refusal changes nothing in the tree).
+
+An AROUND hook on ``SchedulePolicy.calc_priority`` marks the matches it makes as ranking only
+(``AgentRadixCache.ranking_matches``). With a cache-aware ``--schedule-policy`` (``lpm``, ``dfs-weight``,
+...) the scheduler matches every waiting request there at every step, to sort the queue; a request's
+host copies must come back only at the match that admits it (``Req.init_next_round_input`` in
+``Scheduler.get_new_batch_prefill``, right before ``PrefillAdder.add_one_req``), not once per step
+for every request that keeps waiting.
 """
 
 from __future__ import annotations
@@ -34,12 +41,22 @@ def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs
     return req
 
 
+def _around_calc_priority(original, policy, *args, **kwargs):
+    ranking = getattr(getattr(policy, "tree_cache", None), "ranking_matches", None)
+    if ranking is None:  # another backend
+        return original(policy, *args, **kwargs)
+    with ranking():
+        return original(policy, *args, **kwargs)
+
+
 def install() -> None:
-    """Register the scheduler hook (every process; it only resolves inside schedulers' use)."""
+    """Register the scheduler hooks (every process; they only resolve inside schedulers' use)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._create_generation_req",
                           _around_create_generation_req, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
+                          _around_calc_priority, HookType.AROUND)
 
 
 def parent_refusal(parent: BranchKey, seen, closed) -> str | None:

@@ -1,7 +1,8 @@
 """``AgentRadixCache`` and the ``agentcache`` radix-cache backend factory.
 
-The cache is a ``UnifiedRadixCache`` (so HiCache, session-radix references, streaming sessions and TLRU
-keep working) built by SGLang's own ``create_unified_radix_cache(ctx, cache_class=...)`` on top of
+The cache is a ``UnifiedRadixCache`` (so session-radix references, streaming sessions and TLRU keep
+working; HiCache is refused at start-up, see ``server/topology.py``) built by SGLang's own
+``create_unified_radix_cache(ctx, cache_class=...)`` on top of
 :class:`~sgl_agentcache.server.tree_core.AgentTreeCore`, which SGLang selects through
 ``CacheInitParams.tree_core_backend``.
 
@@ -28,7 +29,9 @@ import heapq
 import logging
 import os
 from collections import OrderedDict
+from contextlib import contextmanager
 
+import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -38,6 +41,7 @@ from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, 
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank,
                                       namespace_key, namespace_salt)
 from sgl_agentcache.server.admission import parent_refusal
+from sgl_agentcache.server.agreement import default_agreement
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
@@ -97,6 +101,10 @@ class AgentRadixCache(UnifiedRadixCache):
         self.closed = RecentBranches(retained=holds)
         self.seen = RecentBranches(by_session=True, retained=holds)
         self.scheduler = None  # set on the first request; read only by queue metrics
+        # True while the scheduler matches its waiting queue only to rank it (SchedulePolicy.calc_priority,
+        # see ranking_matches): no restore or load-back runs for those matches.
+        self.ranking = False
+        self.ranking_deferred = 0  # ranking matches that left a request's pending restores alone
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
         self.freed_on_close_tokens = 0
@@ -107,14 +115,14 @@ class AgentRadixCache(UnifiedRadixCache):
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
         # Evicted nodes kept on the host tier and loaded back on a later match (HiCache's write-back
-        # semantics); never beside HiCache itself, which already does exactly that with its own pool.
-        spill = os.environ.get(HOST_SPILL_ENV, "0") == "1"
-        if spill and getattr(self, "cache_controller", None) is not None:
-            logger.info("agentcache: HiCache is on; it keeps evicted nodes on host, so %s is ignored", HOST_SPILL_ENV)
-            spill = False
+        # semantics; HiCache itself never runs beside this cache, see server/topology.py).
         self.spill = SpillTier(self, self.pauses.host, enabled=False)
-        self.set_host_spill(spill)
+        self.set_host_spill(os.environ.get(HOST_SPILL_ENV, "0") == "1")
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
+        # Every copy between the device and the host tier is followed by one agreement step, so a copy
+        # that failed on one TP rank makes every rank take the fallback (see server/agreement.py).
+        self.agreement = default_agreement(self)
+        self.transfer_votes = {"failed_here": 0, "failed_elsewhere": 0}  # this rank's view (stats only)
         # How leaves are ranked for eviction (smallest first): the lifecycle rank, unless a replayed
         # baseline hands the cache its own key (set_eviction_key).
         self.eviction_key = self._lifecycle_key
@@ -199,20 +207,79 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def match_prefix(self, params):
         """Stock match; for a request being matched by the scheduler, first its deferred restores, and
-        after the match, spilled nodes that continue it are loaded back (then it is matched again)."""
+        after the match, spilled nodes that continue it are loaded back (then it is matched again).
+
+        Not while the scheduler only ranks its waiting queue (:meth:`ranking_matches`): with a
+        cache-aware ``--schedule-policy`` (``lpm``, ``dfs-weight``) it matches every waiting request at
+        every step, and a restore there would fill the pool with copies of requests that then wait on,
+        unlocked, in the pool the running batch evicts from. They run at the admission match (the
+        scheduler's ``init_next_round_input`` right before the ``PrefillAdder`` takes the request).
+
+        A restore or load-back that fails in any way leaves the request to recompute: its failure is
+        logged and counted, never raised to the scheduler (which would die with every request)."""
         req = params.req
         if req is None:
             return super().match_prefix(params)
+        if self.ranking:  # only ranked: its copies come back when it is matched for admission
+            if getattr(req, "agentcache_restores", None) is not None:
+                self.ranking_deferred += 1
+            return super().match_prefix(params)
         restores = getattr(req, "agentcache_restores", None)
         if restores is not None:  # what found no room stays pending for the request's next match
-            req.agentcache_restores = self.pauses.restore_for_request(*restores)
+            try:
+                req.agentcache_restores = self.pauses.restore_for_request(*restores)
+            except Exception:  # noqa: BLE001 - a broken restore must not take the scheduler down
+                logger.exception("agentcache: restoring host copies for %s failed; recomputing", req.rid)
+                req.agentcache_restores = None
+                self.pauses.abandon_restores(*restores)
         result = super().match_prefix(params)
         spill = self.spill
         if spill.lru and result.device_prefix_len < len(params.key):
-            last = self.tree_core.node_by_id(result.last_device_node)
-            if spill.load_back(params.key, last, result.device_prefix_len):
+            try:
+                last = self.tree_core.node_by_id(result.last_device_node)
+                loaded = spill.load_back(params.key, last, result.device_prefix_len)
+            except Exception:  # noqa: BLE001 - as above: the request recomputes
+                logger.exception("agentcache: loading spilled nodes back for %s failed; recomputing", req.rid)
+                spill.counters["load_errors"] += 1
+                loaded = 0
+            if loaded:
                 result = super().match_prefix(params)
         return result
+
+    @contextmanager
+    def ranking_matches(self):
+        """The scheduler's matches inside this block only rank its waiting queue (the plugin wraps
+        ``SchedulePolicy.calc_priority`` in it, ``server/admission.py``): no restore, no load-back."""
+        outer, self.ranking = self.ranking, True
+        try:
+            yield self
+        finally:
+            self.ranking = outer
+
+    def agree(self, ok: bool) -> bool:
+        """Whether the host<->device copy just attempted worked on every TP rank (``ok``: on this one).
+        Called at the same point on every rank, whatever the local outcome."""
+        everywhere = self.agreement(ok)
+        if not ok:
+            self.transfer_votes["failed_here"] += 1
+        elif not everywhere:
+            self.transfer_votes["failed_elsewhere"] += 1
+        return everywhere
+
+    def free_unheld(self, key, slots) -> int:
+        """After a failed re-insert of ``key``'s tail into freshly allocated ``slots``: free those the
+        tree does not hold (an insert that raised part-way may have handed some of them to new nodes).
+        Returns the slots freed."""
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        if not isinstance(key, RadixKey):
+            raise TypeError("free_unheld needs a RadixKey")
+        _, last, _ = self.tree_core.match_full_device_prefix(key)
+        held = self.path_device_indices(last)
+        loose = slots[~torch.isin(slots, held.to(slots.dtype))] if len(held) else slots
+        if len(loose):
+            self.token_to_kv_pool_allocator.free(loose)
+        return len(loose)
 
     def load_spilled(self, key, *, evict: bool) -> int:
         """Load spilled nodes continuing ``key`` now, ahead of its request (a prefetch); with
@@ -297,15 +364,16 @@ class AgentRadixCache(UnifiedRadixCache):
         return up_to
 
     def _path_nodes(self, req, up_to: int) -> set:
-        """Nodes the request's tokens ``[0, up_to)`` already match in the tree (read-only walk)."""
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        """Device nodes the request's tokens ``[0, up_to)`` reach in the tree, a partly matched last node
+        included. Side-effect free: SGLang's read-only FULL-device walk (``match_full_device_prefix``),
+        never the tree-core match, which re-stamps LRU times along the path and splits a partly
+        matched node -- a quota *check* must not change what eviction picks next."""
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         core = self.tree_core
         key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, cache_salt=req.cache_salt)
-        match = core.match_prefix(MatchPrefixParams(key=key.page_aligned(self.page_size)))
-        self._apply_cache_actions(match.cache_actions)
-        nodes, node = set(), core.node_by_id(match.last_device_node)
+        _, last, _ = core.match_full_device_prefix(key)
+        nodes, node = set(), core.node_by_id(last)
         while node is not None and node is not core.root_node:
             nodes.add(node)
             node = node.parent
@@ -573,7 +641,8 @@ class AgentRadixCache(UnifiedRadixCache):
         return counts
 
     def agent_stats(self) -> dict:
-        """The scheduler-side half of ``GET /agentcache/stats``; identical on every TP rank."""
+        """The scheduler-side half of ``GET /agentcache/stats``; identical on every TP rank but for
+        ``transfer_votes`` (which rank's copy failed) and the measured transfer figures."""
         core = self.tree_core
         branches = sorted(core.owner_index, key=lambda b: (b.namespace, b.session, b.branch))
         return {
@@ -597,6 +666,8 @@ class AgentRadixCache(UnifiedRadixCache):
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),
+            "transfer_votes": dict(self.transfer_votes),
+            "ranking_deferred_restores": self.ranking_deferred,
         }
 
     def namespace_stats(self, namespace: str) -> dict:
@@ -631,11 +702,18 @@ def agentcache_factory(ctx):
     from sglang.srt.mem_cache import registry
 
     from sgl_agentcache.server.pins import check_pinned_internals
+    from sgl_agentcache.server.topology import UnsupportedTopology, refusal
 
     check_pinned_internals()
     if ctx.disable_radix_cache:
         logger.info("agentcache: --disable-radix-cache is set; deferring to SGLang's default cache chain")
         return registry.default_radix_cache_factory(ctx)
+    # Normally refused before any process starts (server/topology.py); again here for a scheduler built
+    # any other way, before anything of ours runs beside HiCache or across pipeline stages.
+    reason = refusal(BACKEND_NAME, 1, 1, 1, False, hierarchical_cache=bool(ctx.enable_hierarchical_cache),
+                     pp_size=int(getattr(ctx.params, "pp_size", 1) or 1))
+    if reason is not None:
+        raise UnsupportedTopology(reason)
     ctx.params.tree_core_backend = BACKEND_NAME
     return registry.create_unified_radix_cache(ctx, cache_class=AgentRadixCache)
 

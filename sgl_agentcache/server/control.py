@@ -173,17 +173,20 @@ def _expire(scheduler, args: dict) -> dict:
 
 @op("fault")
 def _fault(scheduler, args: dict) -> dict:
-    """Test-only fault injection (``AGENTCACHE_FAULT_INJECTION=1``): fail the next transfers."""
+    """Test-only fault injection (``AGENTCACHE_FAULT_INJECTION=1``): fail the next transfers (with
+    ``unexpected``, by raising a bare error before the copy instead of a transfer error)."""
     import os
 
     if os.environ.get("AGENTCACHE_FAULT_INJECTION") != "1":
         raise CtlError(403, "fault injection is disabled (set AGENTCACHE_FAULT_INJECTION=1)")
     cache = _agent_cache(scheduler)
     try:
-        cache.pauses.host.fail_next(str(args.get("kind")), int(args.get("count", 1)))
+        cache.pauses.host.fail_next(str(args.get("kind")), int(args.get("count", 1)),
+                                    unexpected=bool(args.get("unexpected", False)))
     except ValueError as exc:
         raise CtlError(400, str(exc)) from None
-    return {"armed": args.get("kind"), "count": int(args.get("count", 1))}
+    return {"armed": args.get("kind"), "count": int(args.get("count", 1)),
+            "unexpected": bool(args.get("unexpected", False))}
 
 
 def handle_ctl(scheduler, msg: AgentCacheCtl) -> AgentCacheCtlOut:

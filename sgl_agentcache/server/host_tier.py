@@ -11,8 +11,10 @@ reads a clock, so every TP rank decides the same).
 Why not SGLang's HiCache here: HiCache is node-granular write-through (every inserted node is backed
 up, evicted ones are loaded back on a later match). A tool pause needs the opposite grain -- one
 explicit move of one branch's private suffix, at a moment the policy chooses -- and HiCache cannot
-start on CPU (``cudaHostRegister``, see ``docs/cpu-sglang-recipe.md``). This tier runs alongside
-HiCache when that is enabled on GPU; the two never hold the same node (ours holds evicted suffixes).
+start on CPU (``cudaHostRegister``, see ``docs/cpu-sglang-recipe.md``). HiCache is not run beside this
+tier: it would keep on its own host pool the nodes our closes and offloads free (start-up refuses the
+combination, ``server/topology.py``); the node spill (:mod:`~sgl_agentcache.server.spill`) gives its
+write-back semantics here.
 
 Capacity is in tokens (``AGENTCACHE_HOST_TOKENS``, default 4x the device pool), one budget
 shared with the node spill (:mod:`~sgl_agentcache.server.spill`, evicted nodes kept on host): a copy
@@ -121,7 +123,7 @@ class HostTier:
         self.demotes = TransferStats()
         self.promotes = TransferStats()
         self.refused_full = 0
-        self._fail_next = {"demote": 0, "promote": 0}
+        self._fail_next = {"demote": [0, False], "promote": [0, False]}  # kind -> [count, unexpected]
         self.spill = None  # the SpillTier sharing this capacity (it registers itself)
 
     # ---- the interface ----
@@ -149,6 +151,7 @@ class HostTier:
             self.delete(branch)
         if not self.has_room(n):
             return None
+        self._maybe_fail("demote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("demote")
@@ -168,6 +171,7 @@ class HostTier:
     def copy_out(self, device_indices):
         """One device->host copy of ``device_indices`` (for :meth:`prepend`, which may hand the same
         copy to several entries); raises :class:`TransferError` when it fails."""
+        self._maybe_fail("demote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("demote")
@@ -199,6 +203,7 @@ class HostTier:
     def copy_in(self, kv, device_indices) -> None:
         """One host->device copy of ``kv`` (a :meth:`copy_out`) into ``device_indices``; raises
         :class:`TransferError` when it fails."""
+        self._maybe_fail("promote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("promote")
@@ -233,6 +238,7 @@ class HostTier:
         begin = entry.segments[first][0]
         if len(device_indices) != entry.end - begin:
             raise ValueError(f"promote: {len(device_indices)} indices for {entry.end - begin} tokens")
+        self._maybe_fail("promote", wrapped=False)
         began = time.perf_counter()
         nbytes = 0
         try:
@@ -257,16 +263,21 @@ class HostTier:
 
     # ---- faults and views ----
 
-    def fail_next(self, kind: str, count: int = 1) -> None:
-        """Make the next ``count`` transfers of ``kind`` ("demote" or "promote") fail (tests only)."""
+    def fail_next(self, kind: str, count: int = 1, *, unexpected: bool = False) -> None:
+        """Make the next ``count`` transfers of ``kind`` ("demote" or "promote") fail (tests only): as a
+        :class:`TransferError`, or with ``unexpected`` as a bare ``ValueError`` raised before the copy
+        (what a caller's bad argument raises, e.g. :meth:`promote`'s length check)."""
         if kind not in self._fail_next:
             raise ValueError(f"unknown transfer kind {kind!r}")
-        self._fail_next[kind] = count
+        self._fail_next[kind] = [count, unexpected]
 
-    def _maybe_fail(self, kind: str) -> None:
-        if self._fail_next[kind] > 0:
-            self._fail_next[kind] -= 1
-            raise RuntimeError(f"injected {kind} failure")
+    def _maybe_fail(self, kind: str, wrapped: bool = True) -> None:
+        armed = self._fail_next[kind]
+        if armed[0] > 0 and armed[1] != wrapped:
+            armed[0] -= 1
+            if wrapped:
+                raise RuntimeError(f"injected {kind} failure")
+            raise ValueError(f"injected unexpected {kind} failure")
 
     def stats(self) -> dict:
         return {"capacity_tokens": self.capacity_tokens, "used_tokens": self.used_tokens,

@@ -230,7 +230,7 @@ async def fault(request: Request) -> JSONResponse:
     if os.environ.get("AGENTCACHE_FAULT_INJECTION") != "1":
         return JSONResponse({"error": "fault injection is disabled"}, status_code=403)
     try:
-        body = msgspec.json.decode(await request.body(), type=dict[str, str | int])
+        body = msgspec.json.decode(await request.body(), type=dict[str, str | int | bool])
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         return JSONResponse({"error": f"invalid body: {exc}"}, status_code=400)
     return await _forward("fault", body)

@@ -13,7 +13,9 @@ scheduler would pick for that page size.
 SGLang functions the scheduler calls, in the same order:
 
 - ``admit``: ``Req(...)`` and, for a hinted request, ``AgentRadixCache.admit`` (the plugin's hook on
-  ``Scheduler._create_generation_req``); ``Req.init_next_round_input(tree_cache)`` (``match_kv_cache``);
+  ``Scheduler._create_generation_req``) -- :meth:`OfflineDriver.queue` alone, with
+  :meth:`OfflineDriver.rank` for the queue ranking in between --;
+  ``Req.init_next_round_input(tree_cache)`` (``match_kv_cache``);
   ``tree_cache.lock(last_node)`` (``PrefillAdder._commit_prefill_admission``); then ``alloc_for_extend``
   for a batch of one: ``alloc_req_slots``, ``alloc_token_slots`` / ``alloc_paged_token_slots_extend``
   (which evict through ``allocator.evict_to_free_tokens`` -> ``tree_cache.evict_for_alloc``),
@@ -170,7 +172,8 @@ def offline_context(server_args: ServerArgs | None = None) -> RuntimeContext:
 
 def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: int = 64,
                         enable_session_radix_cache: bool = False, *, context_len: int | None = None,
-                        server_args: ServerArgs | None = None, stock: bool = False) -> AgentRadixCache:
+                        server_args: ServerArgs | None = None, stock: bool = False,
+                        tp_group: Any = None) -> AgentRadixCache:
     """Build the real ``AgentRadixCache`` over real SGLang memory pools on CPU.
 
     - ``pool_tokens``: KV slots in the pool (the allocator's ``size``; rounded down to whole pages).
@@ -182,6 +185,9 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
       and ``enable_session_radix_cache`` must agree with the arguments).
     - ``stock``: build SGLang's own ``UnifiedRadixCache`` on its Python tree core instead (the
       default chain, no plugin): the baseline the replayer measures against.
+    - ``tp_group``: a CPU (gloo) ``torch.distributed`` group standing for the TP ranks (the scheduler
+      passes its ``tp_cache_group``): each process builds its own cache, drives it with the same calls
+      and the caches agree on transfer outcomes over it (``AgentRadixCache.agree``). Tests only.
 
     The cache is built through ``sglang.srt.mem_cache.registry.create_tree_cache`` -- the scheduler's
     own entry -- so our registered ``agentcache`` factory (with its pinned-internals check) runs. The
@@ -230,11 +236,14 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
             eviction_policy_config=memory.radix_eviction_policy_config,
             enable_session_radix_cache=memory.enable_session_radix_cache,
             tree_core_backend="python" if stock else BACKEND_NAME,  # agentcache_factory sets it too
+            tp_cache_group=tp_group,
         )
+        tp_size = 1 if tp_group is None else torch.distributed.get_world_size(group=tp_group)
+        tp_rank = 0 if tp_group is None else torch.distributed.get_rank(group=tp_group)
         build = TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
             enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
-            tp_size=1, tp_rank=0, tp_group=None,
+            tp_size=tp_size, tp_rank=tp_rank, tp_group=tp_group,
         )
         cache = create_tree_cache(build)
     if not stock and not isinstance(cache, AgentRadixCache):
@@ -347,6 +356,15 @@ class OfflineDriver:
         makes this the first chunk of a chunked prefill (floored to whole pages); continue it with
         :meth:`checkpoint` and :meth:`prefill_next_chunk`.
         """
+        req = self.queue(rid, input_ids, kv_hints, extra_key, cache_salt, session_id)
+        return self.admit_queued(req, max_prefill_tokens=max_prefill_tokens)
+
+    def queue(self, rid: str, input_ids: Sequence[int], kv_hints: dict | Any | None = None,
+              extra_key: str | None = None, cache_salt: str | None = None,
+              session_id: str | None = None) -> OfflineReq:
+        """The first half of :meth:`admit`: create the request as the scheduler does when it arrives
+        (``Req(...)`` and the plugin's admission hook), without matching or allocating; it waits in the
+        queue until :meth:`admit_queued`. Meanwhile :meth:`rank` can rank it as the scheduler does."""
         with self.activated():
             if rid in self.live:
                 raise ValueError(f"request {rid!r} is already live")
@@ -368,6 +386,29 @@ class OfflineDriver:
                     raise OfflineRefused(f"request {rid!r} refused: {refusal}")
             if session_id is not None and cache.enable_session_radix_cache:
                 req.session_generation = cache.ensure_session_generation(session_id)
+            return req
+
+    def rank(self, waiting: Sequence[OfflineReq], policy: str = "lpm") -> list[OfflineReq]:
+        """Rank queued requests as ``Scheduler.get_new_batch_prefill`` does at every step before it
+        admits any: SGLang's ``SchedulePolicy(policy).calc_priority`` (which matches each request
+        against the tree for cache-aware policies), through the plugin's hook on it. Returns the
+        requests in SGLang's order; nothing is admitted."""
+        from sglang.srt.managers.schedule_policy import SchedulePolicy
+
+        from sgl_agentcache.server.admission import _around_calc_priority
+
+        with self.activated():
+            queue = list(waiting)
+            scheduler_policy = SchedulePolicy(policy, self.cache, False, False, False)
+            _around_calc_priority(SchedulePolicy.calc_priority, scheduler_policy, queue)
+            return queue
+
+    def admit_queued(self, req: OfflineReq, *, max_prefill_tokens: int | None = None) -> OfflineReq:
+        """The second half of :meth:`admit`: match, lock and allocate a :meth:`queue`d request."""
+        with self.activated():
+            if req.rid in self.live:
+                raise ValueError(f"request {req.rid!r} is already live")
+            cache = self.cache
             # Scheduler.get_new_batch_prefill: match the prefix (match_kv_cache) ...
             req.init_next_round_input(cache)
             # ... PrefillAdder: pick the extend and pin the match (_commit_prefill_admission).
@@ -379,7 +420,7 @@ class OfflineDriver:
                 cache.unlock(req.lock)
                 req.lock = None
                 raise
-            self.live[rid] = req
+            self.live[req.rid] = req
             return req
 
     def checkpoint(self, req: OfflineReq) -> None:

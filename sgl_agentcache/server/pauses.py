@@ -32,7 +32,10 @@ A resumed request's copy comes back when the scheduler matches the request for a
 then (running requests hold the pool) it stays on host, the pause ``resuming``, and is tried again at
 the request's next match. Restores that cannot happen (the prefix the suffix hangs from is gone, the
 request started without room for it, a failed copy) delete the host copy and leave the request to
-recompute: nothing leaks, and each case is counted.
+recompute: nothing leaks, and each case is counted. No failure of a copy or a re-insert, expected or
+not, reaches the scheduler. Whether a copy worked is agreed by every TP rank before anyone acts on it
+(``AgentRadixCache.agree``): a copy that failed on one rank makes every rank take the fallback, so the
+ranks' trees never diverge.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sgl_agentcache.lifecycle import BranchKey, NodeClass
 from sgl_agentcache.policy.distributions import LatencyDistribution
 from sgl_agentcache.policy.pause import Incumbent, PauseAction, PauseDecision, PauseInputs, Placement, PolicyConfig, decide
-from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier, TransferError
+from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
@@ -143,11 +146,12 @@ class PauseBook:
         self.counters = {"decisions": {a.value: 0 for a in PauseAction}, "forced": 0, "kept_clipped": 0,
                          "refused_closed": 0, "too_small": 0,
                          "offload_fallbacks": {"host_full": 0, "transfer_failed": 0},
+                         "offload_partial": 0,
                          "restores": 0, "restored_tokens": 0, "fork_restores": 0, "parent_restores": 0,
                          "restores_deferred": 0, "anchor_spills": 0, "anchor_spilled_tokens": 0,
                          "anchor_spill_copied_tokens": 0,
                          "anchor_spill_refused": {"quota": 0, "host_full": 0, "transfer_failed": 0},
-                         "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0},
+                         "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0, "error": 0},
                          "deadline_releases": 0, "released_tokens": 0}
         self.prefetch = {"issued": 0, "used": 0, "wasted": 0, "tokens_prefetched": 0, "tokens_used": 0,
                          "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0, "refused_room": 0, "refused_queue": 0,
@@ -395,15 +399,20 @@ class PauseBook:
                 if not self.host.has_room(n):  # checked before copying: a refused spill copies nothing
                     self.counters["anchor_spill_refused"]["host_full"] += 1
                     continue
-                try:
-                    if n not in copies:
-                        copies[n] = self.host.copy_out(node.component_data[FULL].value[:n])
-                        self.counters["anchor_spill_copied_tokens"] += n
-                except TransferError as exc:
-                    logger.info("agentcache: spill of %d prefix tokens into %s/%s's copy failed: %s", n,
-                                branch.session, branch.branch, exc)
-                    self.counters["anchor_spill_refused"]["transfer_failed"] += 1
-                    continue
+                if n not in copies:
+                    kv, failure = None, None
+                    try:
+                        kv = self.host.copy_out(node.component_data[FULL].value[:n])
+                    except Exception as exc:  # noqa: BLE001 - the copy keeps its gap
+                        failure = exc
+                    if not self.cache.agree(failure is None):  # here or on another rank: no rank spills
+                        logger.info("agentcache: spill of %d prefix tokens into %s/%s's copy failed%s: %s", n,
+                                    branch.session, branch.branch,
+                                    "" if failure is not None else " on another rank", failure)
+                        self.counters["anchor_spill_refused"]["transfer_failed"] += 1
+                        continue
+                    copies[n] = kv
+                    self.counters["anchor_spill_copied_tokens"] += n
                 self.host.prepend(entry, node.agent, copies[n], n)
                 self.counters["anchor_spilled_tokens"] += n
             self._unhang(entry)
@@ -468,11 +477,16 @@ class PauseBook:
         indices = torch.cat([n.component_data[FULL].value for n in copied])
         key = chain[-1].key
         self._drop_host(branch)
+        failure = None
         try:
             entry = self.host.demote(branch, tokens, key.extra_key, key.cache_salt, start, segments, indices)
-        except TransferError as exc:
-            logger.warning("agentcache: offload of %s/%s failed, discarding instead: %s",
-                           branch.session, branch.branch, exc)
+        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
+            entry, failure = None, exc
+        if not self.cache.agree(failure is None):  # failed here or on another rank: every rank discards
+            if entry is not None:
+                self.host.delete(branch)
+            logger.warning("agentcache: offload of %s/%s failed%s, discarding instead: %s", branch.session,
+                           branch.branch, "" if failure is not None else " on another rank", failure)
             self.counters["offload_fallbacks"]["transfer_failed"] += 1
             return None
         if entry is None:
@@ -485,7 +499,13 @@ class PauseBook:
         if not evict:
             return moved
         freed = self.cache._evict_nodes(chain, budget=None)
-        assert freed == moved, (freed, moved)
+        if freed != moved:
+            # Some of the suffix stayed on the device (a node locked or kept since the copy, e.g. by a
+            # backup in flight): the copy stays whole, and a restore copies back only what the device
+            # lost. Counted; the tokens reported are those actually freed.
+            self.counters["offload_partial"] += 1
+            logger.info("agentcache: offload of %s/%s freed %d of its %d suffix tokens; the rest stays on "
+                        "the device", branch.session, branch.branch, freed, moved)
         return freed
 
     # ---- resume, prefetch, deadline, close ----
@@ -549,10 +569,14 @@ class PauseBook:
             if not keep_host:
                 self._drop_host(branch)
             return 0
+        failure = None
         try:
             self.host.promote(entry, first, new)
-        except TransferError as exc:
-            logger.warning("agentcache: restore of %s/%s failed, recomputing: %s", branch.session, branch.branch, exc)
+        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
+            failure = exc
+        if not self.cache.agree(failure is None):  # failed here or on another rank: every rank recomputes
+            logger.warning("agentcache: restore of %s/%s failed%s, recomputing: %s", branch.session, branch.branch,
+                           "" if failure is not None else " on another rank", failure)
             allocator.free(new)
             self.counters["restore_failures"]["transfer_failed"] += 1
             self._drop_host(branch)
@@ -562,6 +586,14 @@ class PauseBook:
         try:
             result = cache.insert(InsertParams(key=key, value=torch.cat([prefix.to(new.dtype), new]),
                                                prev_prefix_len=begin))
+        except Exception:  # noqa: BLE001 - the copy is lost, the request recomputes, no slot leaks
+            logger.exception("agentcache: re-inserting %s/%s's restored KV failed; recomputing", branch.session,
+                             branch.branch)
+            cache.free_unheld(key, new)
+            core.take_fresh()
+            self.counters["restore_failures"]["error"] += 1
+            self._drop_host(branch)
+            return 0
         finally:
             core.insert_state = None
         fresh = core.take_fresh()
@@ -624,6 +656,27 @@ class PauseBook:
                 self.end_resume(own)
                 own = None
         return (parent, own) if parent or own else None
+
+    def abandon_restores(self, parent: BranchKey | None, own: BranchKey | None) -> None:
+        """A request's deferred restores (:meth:`restore_for_request`) raised: the request recomputes.
+        Their host copies go (a copy that broke once is not tried again), ``own``'s pause ends and a
+        paused ``parent`` stays paused with nothing on host. Counted as ``restore_failures["error"]``."""
+        self.counters["restore_failures"]["error"] += 1
+        for branch in (parent, own):
+            if branch is None:
+                continue
+            try:
+                self._drop_host(branch)
+                record = self.records.get(branch)
+                if record is None:
+                    continue
+                if branch == own and record.resuming:
+                    self.records.pop(branch)
+                elif record.placement is Placement.HOST:
+                    record.placement = Placement.NONE
+            except Exception:  # noqa: BLE001 - cleanup of a failure: log, never raise
+                logger.exception("agentcache: dropping %s/%s's host copy after a failed restore failed",
+                                 branch.session, branch.branch)
 
     def end_resume(self, branch: BranchKey, abandoned: bool = False) -> None:
         """End a ``resuming`` pause: its request restored the copy, or (``abandoned``) ran or left

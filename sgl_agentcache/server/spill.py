@@ -23,7 +23,8 @@ dropped least recently used first: dropping an inner entry would strand the entr
 branch's entries go when the branch closes (every tier), a namespace's when it is purged, all of
 them with the tree on a reset. Every decision depends on tree state and a step counter, never a
 clock, so every TP rank takes the same ones; a copy that fails falls back to plain eviction (spill)
-or to recompute (load-back), counted.
+or to recompute (load-back), counted, on every rank when it failed on any (``AgentRadixCache.agree``).
+No failure of a load-back, expected or not, reaches the scheduler.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_agentcache.lifecycle import BranchKey, NodeState
-from sgl_agentcache.server.host_tier import HostTier, TransferError, nbytes_of
+from sgl_agentcache.server.host_tier import HostTier, nbytes_of
 
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
@@ -81,7 +82,7 @@ class SpillTier:
         self._spilled: dict[Any, SpillEntry] = {}  # node being evicted -> its new entry (see on_node_removed)
         self._pinned: set[SpillEntry] = set()  # a chain being loaded back: never dropped for room
         self.counters = {"spills": 0, "spilled_tokens": 0, "spill_refused_full": 0, "spill_failed": 0,
-                         "loads": 0, "loaded_tokens": 0, "load_failed": 0, "load_no_room": 0,
+                         "loads": 0, "loaded_tokens": 0, "load_failed": 0, "load_no_room": 0, "load_errors": 0,
                          "dropped_tokens": {"room": 0, "closed": 0, "orphaned": 0, "purged": 0}}
         host.spill = self
 
@@ -97,11 +98,15 @@ class SpillTier:
         if n == 0 or not self.make_room(n):
             self.counters["spill_refused_full"] += 1
             return
+        kv, failure = None, None
         try:
             kv = self.host.copy_out(node.component_data[FULL].value)
-        except TransferError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure: plain eviction
+            failure = exc
+        if not self.cache.agree(failure is None):  # failed here or on another rank: no rank keeps a copy
             self.counters["spill_failed"] += 1
-            logger.info("agentcache: spill of %d tokens failed, evicting without a host copy: %s", n, exc)
+            logger.info("agentcache: spill of %d tokens failed%s, evicting without a host copy: %s", n,
+                        "" if failure is not None else " on another rank", failure)
             return
         key = node.key
         entry = SpillEntry(array("q", key.token_ids[:n]), key.extra_key, key.cache_salt, state, kv, nbytes_of(kv))
@@ -168,19 +173,36 @@ class SpillTier:
             allocator.free(new)  # the eviction above dropped part of the chain (cannot happen: pinned)
             self.counters["load_failed"] += 1
             return 0
+        failure = None
         try:
             offset = 0
             for entry in chain:
                 self.host.copy_in(entry.kv, new[offset: offset + len(entry)])
                 offset += len(entry)
-        except TransferError as exc:
+        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
+            failure = exc
+        if not self.cache.agree(failure is None):  # failed here or on another rank: every rank recomputes
             allocator.free(new)
             self.counters["load_failed"] += 1
-            logger.info("agentcache: load-back of %d tokens failed, recomputing: %s", n, exc)
+            logger.info("agentcache: load-back of %d tokens failed%s, recomputing: %s", n,
+                        "" if failure is not None else " on another rank", failure)
             for entry in chain:  # a failed copy may have left the entry unreadable: drop it
                 self._drop_tree(entry, "orphaned")
             return 0
-        self._insert_chain(key, chain, start, anchor, new)
+        try:
+            self._insert_chain(key, chain, start, anchor, new)
+        except Exception:  # noqa: BLE001 - the chain is lost, the request recomputes, no slot leaks
+            logger.exception("agentcache: re-inserting %d loaded-back tokens failed; recomputing", n)
+            path = array("q", key.token_ids[:start])
+            for entry in chain:
+                path.extend(entry.tokens)
+            cache.free_unheld(RadixKey(path, key.extra_key, cache_salt=key.cache_salt), new)
+            cache.tree_core.insert_state = None
+            cache.tree_core.take_fresh()
+            for entry in chain:  # what was not re-inserted, and everything hanging from it
+                self._drop_tree(entry, "orphaned")
+            self.counters["load_errors"] += 1
+            return 0
         self.counters["loads"] += 1
         loaded = max(start + n - device_prefix_len, 0)
         self.counters["loaded_tokens"] += loaded
