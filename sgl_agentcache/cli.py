@@ -17,6 +17,7 @@ from sgl_agentcache.cli_checks import (
     positive_float,
     positive_int,
     require_extras,
+    tcp_port,
 )
 
 
@@ -34,9 +35,23 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     require_extras("demo", "serve")
+    import os
+
+    from sgl_agentcache.cpu_server import Terminated, port_is_free
     from sgl_agentcache.demo import run_demo
 
-    return run_demo(workers=args.workers)
+    if args.port is not None and not port_is_free(args.port):
+        raise UsageError(f"port {args.port} is already in use on 127.0.0.1; pick another --port")
+    try:
+        return run_demo(workers=args.workers, port=args.port)
+    except Terminated as exc:
+        # The server and the temporary directory are gone by now. SGLang's frontend runs an
+        # sgl.function program on worker threads that are not daemons: after an interruption, an idle
+        # one waits for work forever (a normal exit would wait for it) and one with a request in
+        # flight prints a traceback when the server goes away. Leave at once instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code)
 
 
 def _trace_gen(args: argparse.Namespace) -> int:
@@ -174,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_make_tiny_model)
     demo = sub.add_parser("demo", help="run a forked agent program against a real CPU server")
     demo.add_argument("--workers", type=positive_int, default=4, help="subagents the lead agent forks (default 4)")
+    demo.add_argument("--port", type=tcp_port, help="port of the SGLang server on 127.0.0.1 (default: a free one)")
     demo.set_defaults(func=_demo)
 
     rp = sub.add_parser("replay", help="replay traces through the real cache code: ours vs baselines B0-B6")

@@ -53,6 +53,7 @@ MISTAKES = [
     (["replay", "--profile", "nope"], "argument --profile: unknown profile 'nope'"),
     (["replay", "--trace", "{missing}"], "missing.jsonl: No such file or directory"),
     (["replay", "--trace", "{malformed}"], "malformed.jsonl: line 1: the first line must be the trace header"),
+    (["demo", "--port", "70000"], "argument --port: must be a TCP port in 1-65535, got '70000'"),
     (["demo", "--workers", "0"], "argument --workers: must be an integer >= 1, got '0'"),
     (["soak", "--seconds", "-5"], "argument --seconds: must be a number > 0"),
     (["make-tiny-model", "{malformed}"], "malformed.jsonl: File exists"),
@@ -68,6 +69,16 @@ def test_ordinary_mistakes_print_one_line_and_exit_2(argv, expected, files, caps
     assert err.count("\n") == 1 and err.startswith("sgl-agentcache") and "Traceback" not in err, err
     assert out == ""
     assert not os.path.exists(files["out"])  # nothing was written
+
+
+def test_a_busy_port_is_refused_before_anything_starts(capsys):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        rc, out, err = run_cli(["demo", "--port", str(sock.getsockname()[1])], capsys)
+    assert rc == 2 and "is already in use" in err and err.count("\n") == 1 and out == ""
 
 
 def _subcommands(parser: argparse.ArgumentParser, path: str = ""):
@@ -93,7 +104,7 @@ def test_every_flag_and_command_has_help():
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             assert all(choice.help for choice in action._choices_actions)
-    assert "demo workers" in seen and "trace gen scale" in seen and "cpu-setup site" in seen
+    assert "demo port" in seen and "trace gen scale" in seen and "cpu-setup site" in seen
 
 
 def test_profile_help_lists_the_built_in_profiles():
