@@ -152,12 +152,6 @@ def builtin_profiles() -> list[str]:
     return list(PROFILES)
 
 
-def profile_help() -> str:
-    """Help text of a ``--profile`` flag: it lists the built-in profiles."""
-    return (f"cost profile: a built-in ({', '.join(builtin_profiles())}) or a profile JSON file "
-            "(schema sgl-agentcache-profile/1, written by bench/gpu/calibrate.py)")
-
-
 def profile_name(text: str) -> str:
     """A built-in profile name or a valid profile file; returns the text (load it with ``resolve_profile``)."""
     from sgl_agentcache.policy.profiles import ProfileError, resolve_profile
