@@ -98,8 +98,14 @@ def test_sigterm_stops_the_server_group_and_removes_temporary_files(phase):
         assert not [p.pid for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not healthy(port)
         assert os.listdir(tmpdir) == []  # the demo's model/log directory and the server's IPC files
-    finally:
+    finally:  # after a failure: kill the server's group too (the demo is its parent only while it lives)
         if demo.proc.poll() is None:
+            server = demo.server()
+            if pgid is None and server is not None:
+                try:
+                    pgid = os.getpgid(server.pid)
+                except ProcessLookupError:
+                    pass
             demo.proc.kill()
         if pgid is not None and group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
