@@ -49,4 +49,4 @@ soak: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache soak --seconds 480 --workers 6 --out bench/results/soak.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_OUT) $(QUICK_OUT)
+	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info $(DEMO_OUT) $(QUICK_OUT)

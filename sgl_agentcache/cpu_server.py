@@ -1,24 +1,31 @@
 """Start a real SGLang 0.5.23 server on CPU with a tiny random-weight model (tests, demo, benchmarks).
 
 Only the standard library is imported here; the server runs in its own process group so that
-:meth:`CpuServer.stop` (also run on context exit, including on errors) leaves no orphan processes.
+:meth:`CpuServer.stop` (also run on context exit, including on errors and on an interrupted start-up)
+leaves no orphan processes. A command that must also clean up when it is killed wraps its work in
+:func:`exit_on_signals`, which turns SIGTERM/SIGINT/SIGHUP into an ordinary exit that runs that clean-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: Flags that make SGLang 0.5.23 serve on a CPU-only machine (see docs/cpu-sglang-recipe in shared docs).
+#: Flags that make SGLang 0.5.23 serve on a CPU-only machine: torch-native attention and sampling, no CUDA
+#: graphs, float32, and dummy weights (tiny random-weight models; nothing is downloaded).
 CPU_FLAGS = (
     "--device", "cpu", "--load-format", "dummy", "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch", "--disable-cuda-graph", "--dtype", "float32",
@@ -30,6 +37,75 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could bind ``127.0.0.1:port`` now (a check, not a reservation)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is not "in use"
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies waiting to be reaped do not count).
+
+    Reads ``/proc`` where there is one; elsewhere any member, zombies included, counts.
+    """
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after its ')'.
+            state, _ppid, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # the process exited while we looked
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by :func:`exit_on_signals` on SIGTERM, SIGINT or SIGHUP."""
+
+
+@contextlib.contextmanager
+def exit_on_signals(announce=None):
+    """Within the block, SIGTERM, SIGINT and SIGHUP raise :class:`Terminated` (exit status 128 + signal).
+
+    By default SIGTERM and SIGHUP kill the process without running ``finally`` blocks or context exits,
+    which would leave a :class:`CpuServer` (its own process group, which a terminal's Ctrl-C does not
+    reach either) and temporary directories behind. After the first signal the three are ignored, so
+    that the clean-up itself is not cut short by a second one.
+    ``announce(signum)`` is called first, e.g. to print what is being cleaned up. Previous handlers are
+    restored on exit. Outside the main thread (where Python cannot set handlers) it does nothing.
+    """
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        for sig in signums:
+            signal.signal(sig, signal.SIG_IGN)
+        if announce is not None:
+            announce(signum)
+        raise Terminated(128 + signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in signums}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def cpu_env() -> dict[str, str]:
@@ -60,6 +136,8 @@ class CpuServer:
     log_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    #: The server's own TMPDIR (SGLang leaves its IPC socket files there); removed by :meth:`stop`.
+    scratch_dir: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -75,9 +153,28 @@ class CpuServer:
         return cmd + list(self.extra_args)
 
     def start(self, timeout: float = 240.0) -> "CpuServer":
+        """Launch the server and wait until ``/health`` answers 200.
+
+        On any failure or interruption while waiting (including :class:`Terminated` or
+        ``KeyboardInterrupt``) the process group is stopped before the exception propagates: a ``with``
+        block whose ``__enter__`` raises never runs ``__exit__``.
+        """
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), env=cpu_env() | self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.scratch_dir = tempfile.mkdtemp(prefix="sglang-")  # short: ZMQ socket paths must fit 107 bytes
+        try:
+            self.proc = subprocess.Popen(self.command(), env=cpu_env() | {"TMPDIR": self.scratch_dir} | self.env,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()  # the child holds its own copy of the descriptor
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -86,17 +183,22 @@ class CpuServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:
-                        return self
+                        return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(f"SGLang server not healthy after {timeout:.0f}s; see {self.log_path}")
 
     def stop(self) -> None:
-        """Terminate the whole process group (server, scheduler, detokenizer); kill it if it lingers."""
-        if self.proc is None:
-            return
+        """Terminate the whole process group (server, scheduler, detokenizer), killing it if it lingers,
+        then remove the server's scratch directory."""
+        if self.proc is not None:
+            self._stop_group()
+        if self.scratch_dir is not None:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+            self.scratch_dir = None
+
+    def _stop_group(self) -> None:
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -107,11 +209,14 @@ class CpuServer:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        # Children may outlive the leader for a moment; make sure the group is gone.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # Children may outlive the leader for a moment; make sure the group is gone before returning.
+        deadline = time.monotonic() + 10
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         self.proc = None
 
     def __enter__(self) -> "CpuServer":

@@ -1,4 +1,4 @@
-"""``make demo`` (until the trace replayer lands): a forked agent program against a real CPU server.
+"""``sgl-agentcache demo`` (``make demo-server``): a forked agent program against a real CPU server.
 
 Starts SGLang 0.5.23 on CPU with ``--radix-cache-backend agentcache`` and a tiny random-weight model,
 runs an ``sgl.function`` agent (through :class:`~sgl_agentcache.frontend.AgentRuntimeEndpoint`, so every
@@ -6,10 +6,14 @@ call carries session/branch hints) whose lead turn forks subagents from a shared
 schema, and prints, per model call, the prompt tokens, how many were served from the cache and how
 many each subagent branch was charged; joining the subagents closes their branches, which frees their
 scratch at once.
+
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP stop the server's whole process group and remove the temporary
+directory (model and server log) before the demo exits.
 """
 
 from __future__ import annotations
 
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -52,21 +56,37 @@ def agent_program():
     return lead_agent
 
 
-def run_demo(workers: int = 4) -> int:
-    import sglang as sgl
+def run_demo(workers: int = 4, port: int | None = None) -> int:
+    """Run the demo on a fresh CPU server at ``port`` (default: a free one); 0 if the tree checks out.
+
+    Raises :class:`~sgl_agentcache.cpu_server.Terminated` on SIGTERM/SIGINT/SIGHUP, after the server's process
+    group is gone and the temporary directory is removed.
+    """
     from rich.console import Console
+
+    from sgl_agentcache.cpu_server import exit_on_signals, free_port
+
+    console = Console()
+
+    def announce(signum: int) -> None:
+        console.print(f"demo: got {signal.Signals(signum).name}: stopping the server, removing its temporary files")
+
+    with exit_on_signals(announce):
+        return _run(console, workers, port or free_port())
+
+
+def _run(console, workers: int, port: int) -> int:
     from rich.table import Table
 
     from sgl_agentcache.cpu_server import CpuServer
     from sgl_agentcache.frontend import AgentRuntimeEndpoint
     from sgl_agentcache.tiny_model import make_tiny_model
 
-    console = Console()
     with tempfile.TemporaryDirectory(prefix="agentcache-demo-") as tmp:
         model = make_tiny_model(Path(tmp) / "tiny-llama")
         console.print(f"[bold]starting SGLang on CPU[/] (tiny random-weight Llama, backend agentcache) ...")
         t0 = time.monotonic()
-        with CpuServer(str(model.path), log_path=Path(tmp) / "server.log") as server:
+        with CpuServer(str(model.path), port=port, log_path=Path(tmp) / "server.log") as server:
             console.print(f"server up in {time.monotonic() - t0:.0f}s at {server.url}")
             _BRANCH_STATS["url"] = server.url
             endpoint = AgentRuntimeEndpoint(server.url, session="demo")

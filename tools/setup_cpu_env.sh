@@ -5,12 +5,15 @@
 #
 # Installs, in order: CPU torch (pinned), sglang==0.5.23 without its CUDA-heavy
 # dependency list, the exact lock in requirements/cpu-lock.txt (--no-deps, so
-# nothing resolves to a CUDA wheel), two CPU-only shims, and this project in
-# editable mode. The venv is reused while the inputs (lock, shims, pyproject,
-# this script) are unchanged: a stamp file holds their hash.
+# nothing resolves to a CUDA wheel), this project in editable mode, and the two
+# CPU-only shims (`sgl-agentcache cpu-setup`, from sgl_agentcache/cpu_setup/).
+# The venv is reused while the inputs (lock, shims, pyproject, this script) are
+# unchanged: a stamp file holds their hash.
 #
 # The sgl_kernel placeholder installed here is for CPU tests only. It must never
-# be installed next to a real GPU SGLang (it would shadow the real kernels).
+# be installed next to a real GPU SGLang (it would shadow the real kernels):
+# cpu-setup refuses a CUDA/ROCm torch or a visible GPU, and the placeholder
+# refuses to import next to a GPU build of torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
@@ -19,7 +22,8 @@ TORCH_VERSION=2.13.0
 SGLANG_VERSION=0.5.23
 
 inputs_hash=$(cat requirements/cpu-lock.txt pyproject.toml tools/setup_cpu_env.sh \
-  tools/cpu_shims/site/* tools/cpu_shims/sgl_kernel_stub/sgl_kernel/* | sha256sum | cut -c1-16)
+  sgl_agentcache/cpu_setup/*.py sgl_agentcache/cpu_setup/shims/*.py sgl_agentcache/cpu_setup/shims/sgl_kernel/*.py \
+  | sha256sum | cut -c1-16)
 stamp="$VENV/.sgl_agentcache-env-$inputs_hash"
 if [[ -f "$stamp" ]]; then
   echo "setup: $VENV is up to date ($inputs_hash)"
@@ -49,13 +53,10 @@ pip_install "torch==$TORCH_VERSION" -c "$constraints" ${TORCH_INDEX_URL:+--index
 pip_install --no-deps "sglang==$SGLANG_VERSION"
 # 3. The exact set of packages SGLang imports on CPU plus our test/bench tooling.
 pip_install --no-deps -r requirements/cpu-lock.txt -c "$constraints"
-# 4. CPU shims: torchvision op schemas (start-up .pth hook) and the sgl_kernel placeholder.
-site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cp tools/cpu_shims/site/_tv_cpu_shim.py tools/cpu_shims/site/zz_sgl_agentcache_tv_cpu_shim.pth "$site/"
-rm -rf "$site/sgl_kernel"
-cp -r tools/cpu_shims/sgl_kernel_stub/sgl_kernel "$site/sgl_kernel"
-# 5. This project, editable.
+# 4. This project, editable.
 pip_install --no-deps --no-build-isolation -e . -c "$constraints"
+# 5. CPU shims: the sgl_kernel placeholder and torchvision op schemas (start-up .pth hook).
+"$VENV/bin/sgl-agentcache" cpu-setup
 
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" - <<'PY'
 import torch, sglang, sgl_agentcache

@@ -206,9 +206,16 @@ def save(trace: Trace, path: str | Path) -> None:
 
 
 def load(path: str | Path) -> Trace:
+    """Read and validate a trace file (``.msgpack``, else JSON lines).
+
+    Raises :class:`TraceError` whose message starts with the path, or ``OSError`` when it cannot be read.
+    """
     path = Path(path)
     data = path.read_bytes()
-    return loads_msgpack(data) if path.suffix == ".msgpack" else loads_jsonl(data)
+    try:
+        return loads_msgpack(data) if path.suffix == ".msgpack" else loads_jsonl(data)
+    except TraceError as exc:
+        raise TraceError(f"{path}: {exc}") from None
 
 
 def block_token_ids(block_id: int, block_tokens: int, vocab_size: int, *, reserved: int = 3) -> list[int]:
