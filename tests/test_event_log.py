@@ -35,7 +35,10 @@ def test_emit_never_blocks_on_a_stuck_file_and_drops_past_its_queue(tmp_path):
         while len(lines) < log.written:
             lines.extend(reader.readline() for _ in range(log.written - len(lines)))
     records = [json.loads(line) for line in lines]
-    assert [r["i"] for r in records] == list(range(log.written))
+    order = [r["i"] for r in records]
+    # Accepted records are the writer's first batch plus whatever the queue held when emit stopped
+    # dropping: not contiguous (which ones were dropped depends on thread timing), but in emit order.
+    assert len(order) == log.written and order[0] == 0 and order == sorted(set(order))
     assert all(r["state"] == "tool_wait" and "ts" in r for r in records)
 
 
