@@ -30,12 +30,12 @@ demo-server: setup
 
 ## bench: regenerate the committed results under bench/results/ (replay suite: every system at equal
 ##        pool and host tier, 10 seeds, real traces; tree overhead; the real-server benchmark), then the
-##        README's Results block. CPU only, 2 worker processes; see bench/README.md.
+##        results blocks of README.md and bench/README.md. CPU only, 2 worker processes; see bench/README.md.
 bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --out bench/results/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
-	$(PY) bench/readme_results.py --write README.md
+	$(PY) bench/readme_results.py --write
 
 ## bench-quick: a smoke run of the same benchmarks (small traces, few seeds) into $(QUICK_OUT); commits nothing.
 QUICK_OUT ?= bench-quick

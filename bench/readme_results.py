@@ -1,8 +1,9 @@
-"""The README's "Results" tables, generated from the committed JSON under ``bench/results/``.
+"""The results blocks of README.md (a short summary) and bench/README.md (every table), generated from
+the committed JSON under ``bench/results/``.
 
-``python bench/readme_results.py`` prints the markdown; ``--write README.md`` replaces the block between
-the ``<!-- results:begin -->`` / ``<!-- results:end -->`` markers; ``--check README.md`` exits 1 when the
-README's block differs from what the JSON says (``tests/test_readme_results.py`` runs it), so a quoted
+``python bench/readme_results.py`` prints both; ``--write`` replaces the block between the
+``<!-- results:begin -->`` / ``<!-- results:end -->`` markers in each file; ``--check`` exits 1 when a
+file's block differs from what the JSON says (``tests/test_readme_results.py`` runs it), so a quoted
 figure can never drift from its committed measurement.
 """
 
@@ -186,7 +187,70 @@ def _soak(body: dict) -> list[str]:
     ]
 
 
+def _summary(body: dict) -> list[str]:
+    """One row per workload at the sweep pressure, host tier 1x: HiCache-style write-back, the best
+    other non-clairvoyant system, ours, ours against that best system seed by seed, ours without a
+    host tier against stock, and the LP floor."""
+    cfg = body["config"]
+    pressure = cfg["sweep_pressure"]
+    cells = {(s["policy"], s["workload"], s["host_ratio"]): s for s in body["summary"] if s["pressure"] == pressure}
+    cmps = {(c["other"], c["workload"], c["host_ratio"]): c for c in body["comparisons"] if c["pressure"] == pressure}
+    others = [p for p in SHOWN if p not in ("stock", OURS, "clairvoyant")]
+    out = [f"Recomputed prefill tokens as a ratio to stock SGLang (no host tier) in the same run, lower is better: "
+           f"{pressure} device pool, a host tier of 1x the pool for every system that has one, mean ± 95% CI "
+           f"half-width over {len(cfg['seeds'])} seeds ({len(cfg['real_seeds'])} for the real traces). "
+           "\"vs best\": ours / the best other system on that workload (not the clairvoyant one), seed by seed, "
+           "with its 95% CI; \"better\"/\"worse\" only where it excludes 1.", "",
+           "workload | hicache | best other | ours | ours vs best | ours, no host tier (vs stock) | LP floor",
+           "---|---:|---|---:|---|---|---:"]
+
+    def verdict(c: dict | None) -> str:
+        return "-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}"
+
+    for w in cfg["workloads"]:
+        ours = cells.get((OURS, w, 1.0))
+        if ours is None:
+            continue
+        rivals = [(cells[(p, w, h)]["recompute_vs_stock"], p, h) for p in others for h in (1.0, 0.0)
+                  if (p, w, h) in cells and (h == 1.0 or p == "session-radix")]
+        best = min(rivals) if rivals else None
+        out.append(" | ".join([
+            w, _cell(cells.get(("hicache", w, 1.0))),
+            "-" if best is None else f"{best[1]} {_cell(cells[(best[1], w, best[2])])}", _cell(ours),
+            "-" if best is None else verdict(cmps.get((best[1], w, 1.0))),
+            verdict(cmps.get(("stock", w, 0.0))), f"{ours['lower_bound_vs_stock']:.2f}"]))
+    return out + [""]
+
+
+def _server_summary(body: dict) -> list[str]:
+    cfg = body["config"]
+    parts = []
+    for other, c in body["comparison"].items():
+        parts.append(f"against {other}: prefill computed {c['computed']['mean']:.2f}x "
+                     f"[{c['computed']['ci95'][0]:.2f}, {c['computed']['ci95'][1]:.2f}] ({c['computed']['verdict']}), "
+                     f"JCT {c['jct']['mean']:.2f}x [{c['jct']['ci95'][0]:.2f}, {c['jct']['ci95'][1]:.2f}] "
+                     f"({c['jct']['verdict']})")
+    return [f"Real CPU server (`{cfg['workload']}` trace, {cfg['pool_tokens']}-token pool, host tier "
+            f"{cfg['host_tokens']} tokens for both backends that have one, {cfg['passes']} passes), ours "
+            + "; ".join(parts) + ".", ""]
+
+
+def render_summary() -> str:
+    """The README's block: the headline table and the server's ratios."""
+    lines = [BEGIN, ""]
+    replay = RESULTS / "replay" / "results.json"
+    if replay.exists():
+        lines += _summary(json.loads(replay.read_text()))
+    server = RESULTS / "server_recompute.json"
+    if server.exists():
+        lines += _server_summary(json.loads(server.read_text()))
+    lines += ["Every table, the host-tier sweep, the server's latencies, the tree's overhead, the soak, and "
+              "where ours loses: [`bench/README.md`](bench/README.md).", ""]
+    return "\n".join(lines + [END])
+
+
 def render() -> str:
+    """bench/README.md's block: every table."""
     lines = [BEGIN, ""]
     replay = RESULTS / "replay" / "results.json"
     if replay.exists():
@@ -209,28 +273,32 @@ def _block(text: str) -> str | None:
     return text[text.index(BEGIN): text.index(END) + len(END)]
 
 
+TARGETS = {ROOT / "README.md": render_summary, ROOT / "bench" / "README.md": render}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", metavar="README")
-    parser.add_argument("--check", metavar="README")
+    parser.add_argument("--write", action="store_true", help="rewrite the results block of README.md and bench/README.md")
+    parser.add_argument("--check", action="store_true", help="exit 1 if either file's block differs from the JSON")
     args = parser.parse_args(argv)
-    block = render()
-    if args.write:
-        path = Path(args.write)
+    stale = []
+    for path, make in TARGETS.items():
+        block = make()
+        if not (args.write or args.check):
+            print(f"{path.relative_to(ROOT)}:\n{block}\n")
+            continue
         text = path.read_text()
         old = _block(text)
         if old is None:
             raise SystemExit(f"{path} has no {BEGIN} ... {END} block")
-        path.write_text(text.replace(old, block))
-        return 0
-    if args.check:
-        current = _block(Path(args.check).read_text())
-        if current != block:
-            print(f"{args.check}: the results block differs from bench/results (run: python bench/readme_results.py "
-                  f"--write {args.check})", file=sys.stderr)
-            return 1
-        return 0
-    print(block)
+        if args.write:
+            path.write_text(text.replace(old, block))
+        elif old != block:
+            stale.append(str(path.relative_to(ROOT)))
+    if stale:
+        print(f"{', '.join(stale)}: the results block differs from bench/results (run: python "
+              "bench/readme_results.py --write)", file=sys.stderr)
+        return 1
     return 0
 
 

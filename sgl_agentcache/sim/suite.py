@@ -195,6 +195,7 @@ def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], N
     started = time.perf_counter()
     jobs = [(w, s) for w in config.workloads
             for s in (config.real_seeds if w in REAL_WORKLOADS else config.seeds)]
+    jobs.sort(key=lambda job: job[0] not in REAL_WORKLOADS)  # the long real traces first: no lone tail job
     rows, runs = [], []
     if config.workers <= 1:
         for workload, seed in jobs:
