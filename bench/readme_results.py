@@ -102,7 +102,20 @@ def _replay(body: dict) -> list[str]:
         out += [f"Ours against the best other system (not clairvoyant) per workload, {cfg['sweep_pressure']} pool, "
                 "host tier 1x, seed by seed: " + "; ".join(verdicts) + ".", ""]
     out += _sweep(body)
+    out += _decisions(body, cfg["sweep_pressure"], 1.0)
     return out
+
+
+def _decisions(body: dict, pressure: str, host: float) -> list[str]:
+    """Ours' pause decisions per kind (summed over seeds): the policy must show a mix."""
+    kinds = ("keep", "offload", "discard", "release", "too_small")
+    rows = [s for s in body["summary"] if s["policy"] == OURS and s["pressure"] == pressure and s["host_ratio"] == host]
+    if not rows:
+        return []
+    out = [f"**ours' pause decisions, {pressure} pool, host {host:g}x** (all seeds) | " + " | ".join(kinds),
+           "---|" + "|".join("---:" for _ in kinds)]
+    out += [f"{s['workload']} | " + " | ".join(str(s["decisions"].get(k, 0)) for k in kinds) for s in rows]
+    return out + [""]
 
 
 def _server(body: dict) -> list[str]:
