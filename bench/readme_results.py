@@ -239,45 +239,36 @@ def _server_summary(body: dict) -> list[str]:
     cfg = body["config"]
     parts = []
     for other, c in body["comparison"].items():
-        parts.append(f"against {other}: prefill computed {c['computed']['mean']:.2f}x "
-                     f"[{c['computed']['ci95'][0]:.2f}, {c['computed']['ci95'][1]:.2f}] ({c['computed']['verdict']}), "
-                     f"JCT {c['jct']['mean']:.2f}x [{c['jct']['ci95'][0]:.2f}, {c['jct']['ci95'][1]:.2f}] "
-                     f"({c['jct']['verdict']})")
+        computed, jct = c["computed"], c["jct"]
+        parts.append(f"against {other}: prefill computed {computed['mean']:.2f}x [{computed['ci95'][0]:.2f}, "
+                     f"{computed['ci95'][1]:.2f}] ({computed['verdict']}), JCT {jct['mean']:.2f}x "
+                     f"[{jct['ci95'][0]:.2f}, {jct['ci95'][1]:.2f}] ({jct['verdict']})")
     return [f"Real CPU server (`{cfg['workload']}` trace, {cfg['pool_tokens']}-token pool, host tier "
             f"{cfg['host_tokens']} tokens for both backends that have one, {cfg['passes']} passes), ours "
             + "; ".join(parts) + ".", ""]
 
 
+def _render(sections: tuple, tail: tuple = ()) -> str:
+    """The block from each (results file, renderer) whose file exists, then ``tail``."""
+    lines = [BEGIN, ""]
+    for name, make in sections:
+        path = RESULTS / name
+        if path.exists():
+            lines += make(json.loads(path.read_text()))
+    return "\n".join(lines + list(tail) + [END])
+
+
 def render_summary() -> str:
     """The README's block: the headline table and the server's ratios."""
-    lines = [BEGIN, ""]
-    replay = RESULTS / "replay" / "results.json"
-    if replay.exists():
-        lines += _summary(json.loads(replay.read_text()))
-    server = RESULTS / "server_recompute.json"
-    if server.exists():
-        lines += _server_summary(json.loads(server.read_text()))
-    lines += ["Every table, the host-tier sweep, the server's latencies, the tree's overhead, the soak, and "
-              "where ours loses: [`bench/README.md`](bench/README.md).", ""]
-    return "\n".join(lines + [END])
+    return _render((("replay/results.json", _summary), ("server_recompute.json", _server_summary)),
+                   ("Every table, the host-tier sweep, the server's latencies, the tree's overhead, the soak, "
+                    "and where ours loses: [`bench/README.md`](bench/README.md).", ""))
 
 
 def render() -> str:
     """bench/README.md's block: every table."""
-    lines = [BEGIN, ""]
-    replay = RESULTS / "replay" / "results.json"
-    if replay.exists():
-        lines += _replay(json.loads(replay.read_text()))
-    server = RESULTS / "server_recompute.json"
-    if server.exists():
-        lines += _server(json.loads(server.read_text()))
-    overhead = RESULTS / "tree_overhead.json"
-    if overhead.exists():
-        lines += _overhead(json.loads(overhead.read_text()))
-    soak = RESULTS / "soak.json"
-    if soak.exists():
-        lines += _soak(json.loads(soak.read_text()))
-    return "\n".join(lines + [END])
+    return _render((("replay/results.json", _replay), ("server_recompute.json", _server),
+                    ("tree_overhead.json", _overhead), ("soak.json", _soak)))
 
 
 def _block(text: str) -> str | None:
