@@ -179,7 +179,8 @@ def record(workload: str, scale: float, pool_tokens: int, seed: int = 0, max_req
     longest = max(r.input_tokens + max(r.output_tokens, 1) for r in trace.requests)
     stream = Stream(workload, scale, pool_tokens, longest, max_reqs, record_pool_tokens=pool_tokens)
     emit = stream.ops.append
-    cache = offline.build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_reqs, context_len=longest)
+    cache = offline.build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_reqs, context_len=longest,
+                                        host_spill=False)
     driver, tokens = offline.OfflineDriver(cache), _Tokens(trace)
     live: dict[tuple, tuple] = {}  # branch -> (offline req, trace request), oldest first
 
@@ -327,7 +328,8 @@ def build(variant: str, stream: Stream, pool_tokens: int | None = None):
         if cache._tree_core_backend != "rust":
             raise RustUnavailable(f"SGLang built the {cache._tree_core_backend!r} tree core")
         return cache
-    cache = offline.build_offline_cache(stock=variant.startswith("stock"), **kwargs)
+    # The tree's own bookkeeping: the node spill (a host transfer, measured on the server) stays off.
+    cache = offline.build_offline_cache(stock=variant.startswith("stock"), host_spill=False, **kwargs)
     if variant == "ours_hinted_full_walk":
         cache.skip_locked_prefix = False
     return cache

@@ -182,16 +182,21 @@ class Soak:
             "workers": self.workers, "seconds": round(time.monotonic() - started, 1), "calls": dict(self.counts),
             "unexpected_failures": self.unexpected, "health": health, "check_ok": check.get("ok"),
             "check_idle": check.get("idle"), "open_soak_branches": [b for b in mine if not b["closed"]],
-            "leaked_tokens": sum(b["owned_tokens"] for b in mine),
+            "leaked_tokens": sum(b["owned_tokens"] + b.get("spilled_tokens", 0) for b in mine),
             "terminated_pending_tokens": stats["terminated_pending_tokens"],
-            "host_tokens": {"before": before["pauses"]["host"]["used_tokens"],
-                            "after": stats["pauses"]["host"]["used_tokens"]},
+            # Paused branches' host copies; the node spill's entries (evicted shared nodes, kept for
+            # reuse) are not a leak and are left out.
+            "host_tokens": {"before": _pause_host_tokens(before), "after": _pause_host_tokens(stats)},
             "resident_tokens": {"before": before["resident_tokens"], "after": stats["resident_tokens"]},
             "pause_decisions": stats["pauses"]["decisions"],
             "deadline_releases": stats["pauses"]["deadline_releases"] - before["pauses"]["deadline_releases"],
             "fallbacks": {"offload": stats["pauses"]["offload_fallbacks"],
                           "restore": stats["pauses"]["restore_failures"]},
         }
+
+
+def _pause_host_tokens(stats: dict) -> int:
+    return stats["pauses"]["host"]["used_tokens"] - stats["spill"]["tokens"]
 
 
 def run_standalone(seconds: float, workers: int, out_path: str | None, seed: int = 0) -> dict:

@@ -49,9 +49,8 @@ TOOL_PRIORS = {"grep": {"median_s": 0.02, "sigma": 0.5}, "ci_run": {"median_s": 
 BRANCH_QUOTA_TOKENS = 512
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server-log") / "sglang.log"
+def _shared_server(tiny_model, tmp_path_factory, name: str, env: dict):
+    log = tmp_path_factory.mktemp(name) / "sglang.log"
     srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report", "--enable-metrics"),
                     env={"AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS),
                          # Pause decisions priced as the seed's 36 KiB/token deployment, with operator
@@ -59,9 +58,25 @@ def server(tiny_model, tmp_path_factory):
                          "AGENTCACHE_PROFILE": "seed",
                          "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
                          "AGENTCACHE_FAULT_INJECTION": "1",
-                         "AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl")})
+                         "AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl")} | env)
     srv.event_log = log.parent / "events.jsonl"
-    with srv.start():
+    return srv
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """The shared server, in the product's defaults (lazy pauses, node spill on)."""
+    with _shared_server(tiny_model, tmp_path_factory, "server-log", {}).start() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def eager_server(tiny_model, tmp_path_factory):
+    """A server whose pause decisions are carried out at once (``AGENTCACHE_PAUSE_MODE=eager``: offload
+    copies the suffix out and frees it, discard frees it, keep pins it), without the node spill, so the
+    host tier holds exactly the paused copies: where the eager mechanisms are tested."""
+    env = {"AGENTCACHE_PAUSE_MODE": "eager", "AGENTCACHE_HOST_SPILL": "0"}
+    with _shared_server(tiny_model, tmp_path_factory, "eager-server-log", env).start() as srv:
         yield srv
 
 

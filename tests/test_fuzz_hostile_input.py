@@ -11,7 +11,7 @@ unicode without lone surrogates, strings around the 4 KiB limit, ~100-level nest
 
 Every example is checked against an oracle written from the contract (README "Telling the cache what a
 request is" and ``sgl_agentcache.hints``): a 2xx only for valid input (including the documented clips:
-offsets past a *text* prompt are clipped, a branch over its quota is clipped), otherwise a 4xx whose
+offsets past a *text* prompt are clipped), otherwise a 4xx whose
 error text names the problem; never a 5xx, a dropped connection or a hang. Whenever the expected answer
 is a refusal (4xx, or the 404 of closing an unknown branch) the whole ``/agentcache/stats`` document,
 ``invalid_hints`` included, must be identical before and after the request: the front door rejects before

@@ -103,8 +103,10 @@ def play_side_by_side(bench, stream, a: Side, b: Side, skipping_core) -> Counter
 
 
 def _build(stream, page_size: int, stock: bool = False):
+    # Same tree and LRU order as SGLang's walk: the node spill (re-inserts on a match) stays off.
     return offline.build_offline_cache(pool_tokens=stream.pool_tokens, page_size=page_size,
-                                       max_reqs=stream.max_reqs, context_len=stream.context_len, stock=stock)
+                                       max_reqs=stream.max_reqs, context_len=stream.context_len, stock=stock,
+                                       host_spill=False)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

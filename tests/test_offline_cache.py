@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from sgl_agentcache.hints import lifecycle_envelope
-from sgl_agentcache.lifecycle import BranchKey
+from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.server.cache import AgentRadixCache
 from sgl_agentcache.server.offline import (
     OfflineDriver,
@@ -67,7 +67,7 @@ def test_second_request_reuses_shared_prefix():
 
 
 def test_filling_the_pool_evicts_and_conserves_slots():
-    driver = OfflineDriver(pool_tokens=512)
+    driver = OfflineDriver(build_offline_cache(pool_tokens=512, host_spill=False))  # stock-like eviction
     prompts = [[(7 + 83 * i + j) % 512 for j in range(200)] for i in range(6)]
     inserted = 0
     for i, prompt in enumerate(prompts):
@@ -300,30 +300,40 @@ def _slots(value) -> list | None:
     return None if value is None else [int(v) for v in value]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_quota_checks_walk_the_tree_without_touching_it(page_size):
-    """Issue #22 item 13: the quota check's walk (``_path_nodes``) went through the tree-core match,
-    which re-stamps the LRU time of every node on the path and splits a partly matched node: a check
-    changed what eviction takes next. It changes nothing now, and still names the partly matched node
-    (the insert would walk through it)."""
-    from array import array
-    from types import SimpleNamespace
+def test_quotas_bound_fairness_not_a_branchs_context():
+    """A fork may hold more than its quota while memory is free (nothing is clipped); under pressure
+    its nodes go first -- before another branch's scratch within quota and before untagged KV -- and
+    they are not spilled to host (an over-quota branch cannot crowd the host tier either)."""
+    from sgl_agentcache.hints import lifecycle_envelope
 
-    driver = OfflineDriver(pool_tokens=1024, page_size=page_size)
+    driver = OfflineDriver(pool_tokens=1024)
     cache = driver.cache
-    for rid, prompt in (("a", ids(10, 100)), ("b", ids(300, 40))):  # b is the most recently used
-        req = driver.admit(rid, prompt)
-        driver.extend(req, [500])
+    cache.set_host_spill(True)
+    cache.pauses.host.capacity_tokens = 4096
+    assert cache.branch_quota_tokens == 256
+
+    def run(rid, prompt, hint=None):
+        req = driver.admit(rid, prompt, kv_hints=lifecycle_envelope(hint, message_id=rid) if hint else None)
+        cached = req.cached_tokens
+        driver.extend(req, [1])
         driver.finish(req)
-    before = _tree_snapshot(cache)
-    # a's prompt for 60 tokens, then a different continuation: a's node is matched only in part.
-    probe = SimpleNamespace(full_untruncated_fill_ids=array("q", ids(10, 60) + ids(200, 8)), extra_key=None,
-                            cache_salt=None)  # what _path_nodes reads of a Req
-    with driver.activated():
-        path = cache._path_nodes(probe, len(probe.full_untruncated_fill_ids))
-    assert _tree_snapshot(cache) == before  # no split, no LRU stamp
-    a_tip = {n for n in cache.tree_core.all_nodes() if n.key is not None and len(n.key) and n.key.token_ids[0] == 10}
-    assert a_tip and a_tip <= path
+        return cached
+
+    run("lead", ids(0, 40), {"session": "s"})
+    fork = {"session": "s", "branch": "big", "parent_branch": "main", "fork_point_tokens": 40}
+    history = ids(0, 40)
+    for k in range(3):  # 3 x 120 tokens of the fork's own scratch: 360 > its 256-token quota
+        history = history + ids(100 + 120 * k, 120)
+        run(f"big{k}", history, fork)
+    big = BranchKey(namespace_key(None, None), "s", "big")
+    assert cache.tree_core.owned_tokens(big) >= 360 and cache.over_quota(big)  # free memory: all kept
+    small = {"session": "s", "branch": "small", "parent_branch": "main", "fork_point_tokens": 40}
+    run("small", ids(0, 40) + ids(480, 30), small)
+    run("flood", ids(0, 512)[::-1] + ids(0, 100), None)  # untagged, needs most of the pool
+    assert cache.quota_trimmed_tokens > 0
+    assert cache.spill.owner_tokens.get(big, 0) == 0  # trimmed, never spilled
+    assert cache.tree_core.owned_tokens(BranchKey(big.namespace, "s", "small")) >= 30  # within quota: kept
+    assert run("small-again", ids(0, 40) + ids(480, 30) + [7], small) >= 70  # its scratch survived
     assert_idle_ok(driver)
 
 

@@ -1,5 +1,8 @@
-"""Tool pauses on the real cache (offline driver, SGLang's CPU pools): keep / offload / discard /
-release, the host tier's byte-exact round trip, caps, prefetch accounting and every fault path.
+"""Tool pauses on the real cache (offline driver, SGLang's CPU pools), eager mode: keep / offload /
+discard / release carried out at the pause, the host tier's byte-exact round trip, caps, prefetch
+accounting and every fault path. (The default, lazy mode -- a decision is advice to eviction and the
+node spill -- is tested in ``test_lazy_pauses.py``; these mechanisms serve eager mode, forced actions
+and the replayed baselines.)
 
 Each test ends with the integrity check and a leak check: device free + cached == pool, the host tier
 holds exactly what the pause book says, and nothing a closed or released branch owned remains.
@@ -28,8 +31,10 @@ def hint(session: str, branch: str = "main", **extra) -> dict:
 
 
 class Harness:
-    def __init__(self, pool_tokens: int = 1024, page_size: int = 1, **settings):
+    def __init__(self, pool_tokens: int = 1024, page_size: int = 1, spill: bool = False, **settings):
         self.cache = build_offline_cache(pool_tokens=pool_tokens, page_size=page_size)
+        self.cache.set_host_spill(spill)  # the host tier holds pause copies only, as the checks below expect
+        settings.setdefault("lazy", False)
         for name, value in settings.items():
             setattr(self.cache.pauses.settings, name, value)
         self.driver = OfflineDriver(self.cache)

@@ -1,9 +1,11 @@
-"""Tool pauses on a real SGLang server (CPU): offload and restore move real KV bytes, greedy output is
-identical to a run that never paused, short tools are kept, deadlines release every tier, and
-injected transfer faults fall back to recompute without leaking anything.
+"""Eager tool pauses on a real SGLang server (CPU): offload and restore move real KV bytes, greedy
+output is identical to a run that never paused, short tools are kept, deadlines release every tier,
+and injected transfer faults fall back to recompute without leaking anything.
 
-The shared server prices decisions as the seed's 36 KiB/token deployment and has operator priors for
-the ``grep`` (~20 ms) and ``ci_run`` (~1 min, long tail) tool classes (see conftest.py).
+These run on the ``eager_server`` fixture (``AGENTCACHE_PAUSE_MODE=eager``, node spill off: the host
+tier holds exactly the paused copies); the default, lazy mode is tested in
+``test_lazy_pauses_server.py``. Decisions are priced as the seed's 36 KiB/token deployment, with
+operator priors for the ``grep`` (~20 ms) and ``ci_run`` (~1 min, long tail) tool classes (conftest.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ import pytest
 from sgl_agentcache.hints import lifecycle_envelope
 
 pytestmark = pytest.mark.server
+
+
+@pytest.fixture
+def server(eager_server):
+    """This module's tests run on the eager server (see the module docstring)."""
+    return eager_server
 
 STABLE = 32
 

@@ -118,7 +118,7 @@ def test_b_dead_scratch_goes_before_an_intermittent_stable_prefix(mode_server, t
         assert kept < len(stable) // 2
 
 
-def test_c_runaway_branch_is_stopped_by_its_quota(mode_server, tiny_model):
+def test_c_runaway_branch_is_trimmed_first(mode_server, tiny_model):
     mode, server = mode_server
     agents = Agents(mode, server, tiny_model.vocab_size, seed=33)
     victim = agents.ids(700)
@@ -130,8 +130,7 @@ def test_c_runaway_branch_is_stopped_by_its_quota(mode_server, tiny_model):
     _record("c: runaway branch", mode, kept, len(victim))
     if mode.startswith("agentcache"):
         _, stats = server.request("GET", "/agentcache/stats")
-        loop = [b for b in stats["branches"] if b["branch"] == "loop"]
-        assert loop and loop[0]["owned_tokens"] <= 512
+        assert stats["quota_trimmed_tokens"] > 0  # the runaway went first (a fairness bound, not a cap)
         assert kept >= len(victim)
     else:
         assert kept < len(victim) // 2

@@ -29,7 +29,10 @@ def lpm_server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("lpm-server") / "sglang.log"
     srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, context_length=2048,
                     extra_args=("--schedule-policy", "lpm", "--chunked-prefill-size", "16", "--enable-cache-report"),
-                    env={"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS)})
+                    # Eager pauses: the offload puts the copy on host at the pause, so the test can watch
+                    # it stay there until admission (lazy pauses load spilled nodes back at the same match).
+                    env={"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
+                         "AGENTCACHE_PAUSE_MODE": "eager", "AGENTCACHE_HOST_SPILL": "0"})
     with srv.start():
         yield srv
 

@@ -88,8 +88,9 @@ def test_evicted_prefix_comes_back_from_host_with_its_bytes():
     assert_clean(driver)
 
 
-def test_off_by_default_and_stock_eviction_then_loses_the_prefix():
-    cache = build_offline_cache(pool_tokens=300, page_size=1, max_reqs=8)
+def test_on_by_default_and_off_means_stock_eviction():
+    assert build_offline_cache(pool_tokens=300).spill.enabled  # the server's default
+    cache = build_offline_cache(pool_tokens=300, page_size=1, max_reqs=8, host_spill=False)
     assert not cache.spill.enabled and cache.tree_core.node_removed is None
     driver = OfflineDriver(cache)
     run(driver, "a", ids(10, 200))

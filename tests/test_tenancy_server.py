@@ -202,7 +202,10 @@ def test_ceilings_clip_greedy_hints_and_hold_under_a_flood(tserver, tokens):
         replies.append(reply)
     assert all(r["deadline_s"] == ACME_CEILINGS["max_retention_s"] for r in replies)
     assert all(r["clipped"]["priority"]["granted"] == ACME_CEILINGS["max_priority"] for r in replies)
-    assert sum(r["action"] == "keep" for r in replies) <= ACME_CEILINGS["max_kept_branches"]
+    # The default (lazy) pause mode pins nothing, whatever is asked: a "keep" is advice to eviction, so
+    # no tenant can hold memory through pauses (the eager mode's caps are tested in test_pauses.py).
+    assert all(r["lazy"] for r in replies)
+    assert _stats(tserver, ACME_KEY)["kept_branches"] == 0
     acme = _stats(tserver, ACME_KEY)
     assert acme["kept_branches"] <= ACME_CEILINGS["max_kept_branches"]
     clipped = _stats(tserver, ADMIN_KEY)["trust"]["clipped"]
@@ -222,9 +225,11 @@ def test_purge_removes_a_tenant_from_every_tier_and_spares_the_others(tserver, t
     assert _hinted(tserver, ACME_KEY, prompt, acme, {"stable_prefix_tokens": 32})[0] == 200
     assert _hinted(tserver, GLOBEX_KEY, prompt, globex, {"stable_prefix_tokens": 32})[0] == 200
     status, paused = _call(tserver, "POST", "/agentcache/pause", ACME_KEY, {"session": acme, "tool_class": "ci_run"})
-    assert status == 200 and paused["action"] == "offload", paused
+    assert status == 200 and paused["action"] == "offload", paused  # lazy: advice, nothing moved yet
+    for _ in range(5):  # another tenant's traffic needs the pool: acme's paused KV is spilled to host
+        assert _gen(tserver, GLOBEX_KEY, tokens.ids(900))[0] == 200
     held = _stats(tserver, ACME_KEY)
-    assert held["host_tokens"] > 0 and sum(held["resident_tokens"].values()) > 0
+    assert held["host_tokens"] > 0
     status, result = _call(tserver, "POST", "/agentcache/admin/purge", ADMIN_KEY, {"tenant": "acme"})
     assert status == 200 and result["locked_tokens"] == 0, result
     gone = _stats(tserver, ACME_KEY)

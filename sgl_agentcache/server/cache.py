@@ -11,12 +11,13 @@ What it adds to the stock cache:
 - every insert is classified from the request's lifecycle hint (:meth:`checkpoint_into_tree`): the
   nodes it creates are split at the stable-prefix and fork boundaries and stamped STABLE / SESSION /
   SCRATCH with their owner; nodes it matched are shared and never charged;
-- a branch's charge is capped by a server-side quota: over it, the branch's own oldest unlocked nodes
-  go first, and what still does not fit is not inserted;
+- a branch's charge is bounded by a server-side quota, as a fairness bound rather than a cap: a branch
+  may hold more while memory is free, but under pressure an over-quota branch's nodes go first (its
+  own oldest first), before anything else alive, and are not spilled to host;
 - closing a branch (route, ``close`` hint, abort of a fork, session close) stamps its nodes terminated and frees the
   unlocked ones in the same scheduler step; locked ones go when their request releases them;
-- eviction ranks leaves by :func:`~sgl_agentcache.lifecycle.eviction_rank` (terminated, scratch,
-  session, stable; then session-radix references; then the configured policy).
+- eviction ranks leaves by :func:`~sgl_agentcache.lifecycle.eviction_rank` (terminated, over quota,
+  scratch, session, stable; then session-radix references; then the configured policy).
 
 All decisions depend only on the tree and the order of messages, never on a clock, so every TP rank
 takes the same ones.
@@ -108,8 +109,7 @@ class AgentRadixCache(UnifiedRadixCache):
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
         self.freed_on_close_tokens = 0
-        self.quota_clipped_inserts = 0
-        self.quota_evicted_tokens = 0
+        self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
         self.invalid_hints = 0
         self.context_edit_freed_tokens = 0
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
@@ -117,7 +117,7 @@ class AgentRadixCache(UnifiedRadixCache):
         # Evicted nodes kept on the host tier and loaded back on a later match (HiCache's write-back
         # semantics; HiCache itself never runs beside this cache, see server/topology.py).
         self.spill = SpillTier(self, self.pauses.host, enabled=False)
-        self.set_host_spill(os.environ.get(HOST_SPILL_ENV, "0") == "1")
+        self.set_host_spill(os.environ.get(HOST_SPILL_ENV, "1") == "1")
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # Every copy between the device and the host tier is followed by one agreement step, so a copy
         # that failed on one TP rank makes every rank take the fallback (see server/agreement.py).
@@ -149,8 +149,25 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
         state, pauses = node.agent, self.pauses
-        return eviction_rank(state, session_ref, base_priority, state.owner in pauses.kept,
-                             bool(pauses.anchors) and node in pauses.anchors)
+        owner = state.owner
+        return eviction_rank(state, session_ref, base_priority, owner in pauses.kept,
+                             bool(pauses.anchors) and node in pauses.anchors,
+                             owner is not None and not state.terminated and self.over_quota(owner))
+
+    def branch_tokens(self, branch: BranchKey) -> int:
+        """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is
+        not counted: it is bounded by the pause caps, and a write-through copy duplicates device nodes."""
+        return self.tree_core.owned_count.get(branch, 0) + self.spill.owner_tokens.get(branch, 0)
+
+    def over_quota(self, branch: BranchKey) -> bool:
+        """``branch`` holds more than its quota (the one its own requests set; a branch that never sent
+        one, e.g. a parent charged by forks, gets the session quota)."""
+        return self.branch_tokens(branch) > self.quota_of(branch)
+
+    def quota_of(self, branch: BranchKey) -> int:
+        """``branch``'s quota: the one its own requests set, else the session quota (a parent charged by
+        forks that never sent a request of its own)."""
+        return self.quotas.get(branch, self.session_quota_tokens)
 
     # ---- inserts ----
 
@@ -319,12 +336,6 @@ class AgentRadixCache(UnifiedRadixCache):
             req.agentcache_edited = True
             self.context_edit_freed_tokens += self._drop_edited_history(req, owner, hint.edit_from_tokens)
         locked = req.kv.cache_protected_len  # in the tree and locked: the insert creates nodes past it only
-        if owner is not None and not own.terminated:
-            # Tokens the branch holds on the host tier count against its quota too.
-            over = (core.owned_count.get(owner, 0) + self.pauses.host.tokens_of(owner)
-                    + max(up_to - locked, 0) - self.quota_for(plan))
-            if over > 0:
-                up_to = self._clip_to_quota(req, plan, up_to, over)
         core.insert_state = own
         core.insert_from = self._insert_start(req)
         try:
@@ -345,49 +356,14 @@ class AgentRadixCache(UnifiedRadixCache):
         except KeyError:  # not a tree node (a streaming session's virtual node): SGLang's walk decides
             return None
 
-    def _clip_to_quota(self, req, plan: InsertPlan, up_to: int, over: int) -> int:
-        """Make room for an insert ``over`` tokens past the branch quota (own oldest nodes first);
-        return how far the insert may go (what still does not fit is not inserted)."""
-        owner, quota = plan.own.owner, self.quota_for(plan)
-        # The branch's own oldest nodes go first -- but never one this insert would walk through (it
-        # would re-create the same tokens at once: an eviction that frees nothing).
-        on_path = self._path_nodes(req, up_to)
-        candidates = [n for n in self.tree_core.owner_index.get(owner, ()) if n not in on_path]
-        self.quota_evicted_tokens += self._evict_nodes(candidates, over)
-        room = quota - self.tree_core.owned_tokens(owner)
-        allowed = req.kv.cache_protected_len + max(room, 0)
-        if allowed < up_to:
-            self.quota_clipped_inserts += 1
-            logger.info("agentcache: branch %s over its %d-token quota; %d tokens of %s not cached",
-                        owner, quota, up_to - allowed, req.rid)
-            return allowed
-        return up_to
-
-    def _path_nodes(self, req, up_to: int) -> set:
-        """Device nodes the request's tokens ``[0, up_to)`` reach in the tree, a partly matched last node
-        included. Side-effect free: SGLang's read-only FULL-device walk (``match_full_device_prefix``),
-        never the tree-core match, which re-stamps LRU times along the path and splits a partly
-        matched node -- a quota *check* must not change what eviction picks next."""
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        core = self.tree_core
-        key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, cache_salt=req.cache_salt)
-        _, last, _ = core.match_full_device_prefix(key)
-        nodes, node = set(), core.node_by_id(last)
-        while node is not None and node is not core.root_node:
-            nodes.add(node)
-            node = node.parent
-        return nodes
-
     def _stamp(self, node, plan: InsertPlan, start: int) -> None:
         """Give a created node the plan's state for its first token. Tokens a fork assigns to its parent
-        are charged to the parent only within the parent's quota; past it they are the fork's own (its
-        quota check already counted them), so no hint can push another branch over its quota."""
+        are charged to the parent only within the parent's quota; past it they are the fork's own, so no
+        hint can push another branch over its quota (and into the first-to-go rank)."""
         state = plan.state_at(start)
         owner = state.owner
         if owner is not None and owner != plan.own.owner:
-            quota = self.quotas.get(owner, self.branch_quota_tokens)
-            if self.tree_core.owned_tokens(owner) + len(node.key) > quota:
+            if self.branch_tokens(owner) + len(node.key) > self.quota_of(owner):
                 state = plan.own
         self.tree_core.set_state(node, state)
 
@@ -564,14 +540,21 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def _evict_device_leaf(self, node_id, tracker):
         """Stock eviction of one leaf (memory pressure). A leaf paused branches' host copies hang from is
-        first spilled into them; with the node spill on, the leaf itself is copied to host."""
+        first spilled into them; with the node spill on, the leaf itself is copied to host, unless its
+        branch is over its quota (trimmed: an over-quota branch cannot crowd the host tier either)."""
         anchors, spill = self.pauses.anchors, self.spill
+        node = self.tree_core.node_by_id(node_id)
+        state = node.agent
+        trimmed = state.owner is not None and not state.terminated and self.over_quota(state.owner)
+        continued = node in spill.by_anchor  # other branches' spilled nodes continue it: spill it anyway
+        if trimmed and not continued:
+            self.quota_trimmed_tokens += len(node.key)
         if not anchors and not spill.enabled:
             return super()._evict_device_leaf(node_id, tracker)
-        node = self.tree_core.node_by_id(node_id)
         if anchors and node in anchors:
             self.pauses.spill_anchor(node)
-        spill.spill(node)
+        if not trimmed or continued:
+            spill.spill(node, force=trimmed)
         try:
             return super()._evict_device_leaf(node_id, tracker)
         finally:
@@ -644,7 +627,8 @@ class AgentRadixCache(UnifiedRadixCache):
         """The scheduler-side half of ``GET /agentcache/stats``; identical on every TP rank but for
         ``transfer_votes`` (which rank's copy failed) and the measured transfer figures."""
         core = self.tree_core
-        branches = sorted(core.owner_index, key=lambda b: (b.namespace, b.session, b.branch))
+        spilled = self.spill.owner_tokens
+        branches = sorted(set(core.owner_index) | set(spilled), key=lambda b: (b.namespace, b.session, b.branch))
         return {
             "impl": type(self).__name__,
             "tree_core": type(core).__name__,
@@ -655,13 +639,14 @@ class AgentRadixCache(UnifiedRadixCache):
             "resident_tokens": self.resident_tokens_by_class(),
             "branch_quota_tokens": self.branch_quota_tokens,
             "session_quota_tokens": self.session_quota_tokens,
-            "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "closed": b in self.closed}
+            "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "spilled_tokens": spilled.get(b, 0),
+                                        "closed": b in self.closed}
                          for b in branches],
             "closed_branches": len(self.closed),
             "freed_on_close_tokens": self.freed_on_close_tokens,
             "terminated_pending_tokens": sum(len(n.key) for n in core.terminated),
-            "quota_clipped_inserts": self.quota_clipped_inserts,
-            "quota_evicted_tokens": self.quota_evicted_tokens,
+            "quota_trimmed_tokens": self.quota_trimmed_tokens,
+            "over_quota_branches": sum(self.over_quota(b) for b in core.owner_index),
             "invalid_hints": self.invalid_hints,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),

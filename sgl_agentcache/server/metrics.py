@@ -90,7 +90,7 @@ class SchedulerMetrics:
         self.moved = counter("bytes_moved", "KV bytes moved between tiers", ("direction",))
         self.prefetch = counter("prefetch", "Prefetch outcomes", ("outcome",))
         self.deadline = counter("deadline_releases", "Pauses released at their deadline (every tier)")
-        self.quota = counter("quota_clips", "Inserts clipped or own nodes evicted by a branch quota", ("kind",))
+        self.quota = counter("quota_trims", "Tokens of over-quota branches eviction took first", ("kind",))
         self.faults = counter("transfer_fallbacks", "Offloads/restores that fell back to recompute", ("reason",))
         self.reclaimed = counter("reclaimed_tokens", "Tokens freed because their branch ended")
         self.waiting = gauge("waiting_requests", "Requests waiting for admission, by priority class",
@@ -139,8 +139,7 @@ class SchedulerMetrics:
                         "refused_disabled"):
             self._inc(self.prefetch, (outcome,), pauses.prefetch[outcome])
         self._inc(self.deadline, (), pauses.counters["deadline_releases"])
-        self._inc(self.quota, ("clipped_inserts",), cache.quota_clipped_inserts)
-        self._inc(self.quota, ("evicted_tokens",), cache.quota_evicted_tokens)
+        self._inc(self.quota, ("trimmed_tokens",), cache.quota_trimmed_tokens)
         for reason, n in pauses.counters["offload_fallbacks"].items():
             self._inc(self.faults, (f"offload_{reason}",), n)
         for reason, n in pauses.counters["restore_failures"].items():

@@ -173,7 +173,7 @@ def offline_context(server_args: ServerArgs | None = None) -> RuntimeContext:
 def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: int = 64,
                         enable_session_radix_cache: bool = False, *, context_len: int | None = None,
                         server_args: ServerArgs | None = None, stock: bool = False,
-                        tp_group: Any = None) -> AgentRadixCache:
+                        tp_group: Any = None, host_spill: bool | None = None) -> AgentRadixCache:
     """Build the real ``AgentRadixCache`` over real SGLang memory pools on CPU.
 
     - ``pool_tokens``: KV slots in the pool (the allocator's ``size``; rounded down to whole pages).
@@ -188,6 +188,8 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
     - ``tp_group``: a CPU (gloo) ``torch.distributed`` group standing for the TP ranks (the scheduler
       passes its ``tp_cache_group``): each process builds its own cache, drives it with the same calls
       and the caches agree on transfer outcomes over it (``AgentRadixCache.agree``). Tests only.
+    - ``host_spill``: turn the node spill on or off (None: the server's default, ``AGENTCACHE_HOST_SPILL``,
+      on unless set to 0). Tests of stock-like eviction and of the tree alone turn it off.
 
     The cache is built through ``sglang.srt.mem_cache.registry.create_tree_cache`` -- the scheduler's
     own entry -- so our registered ``agentcache`` factory (with its pinned-internals check) runs. The
@@ -250,6 +252,8 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
         raise RuntimeError(f"create_tree_cache built {type(cache).__name__}, not AgentRadixCache "
                            f"(radix_cache_backend={server_args.radix_cache_backend!r})")
     _CONTEXTS[cache] = context
+    if host_spill is not None and not stock:
+        cache.set_host_spill(host_spill)
     return cache
 
 

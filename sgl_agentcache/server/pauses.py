@@ -9,8 +9,17 @@ rate of the deployment's profile), so every rank takes the same decision. Transf
 measured here; they enter decisions only as figures relayed back through the messages (rank 0's, see
 :meth:`PauseBook.measured`), never as each rank's own clock readings.
 
-What each action does to the branch's *movable suffix* -- the chain of device nodes it owns at the end
-of its path that nothing else holds (unlocked, no other device children; never the shared prefix):
+Two modes (``AGENTCACHE_PAUSE_MODE``). **Lazy**, the default while the node spill runs: the decision
+is advice and nothing moves at the pause. The branch stays ranked as before; what eviction later takes
+of it is spilled to host and kept there ahead of other host entries (OFFLOAD), spilled like any evicted
+node (KEEP), or not spilled (DISCARD). Its next request loads back what was spilled; a prefetch loads
+it earlier; RELEASE (deadline) frees it on every tier at once. Nothing is pinned, so the ``max_kept_*``
+caps have nothing to bound. Measured on the replay suite, moving or pinning at the pause recomputed
+more than it saved, because a pause rarely coincides with the moment memory is needed.
+
+**Eager** (``AGENTCACHE_PAUSE_MODE=eager``, or the node spill off): the decision is carried out at once,
+on the branch's *movable suffix* -- the chain of device nodes it owns at the end of its path that
+nothing else holds (unlocked, no other device children; never the shared prefix):
 
 - KEEP: the branch is pinned: its nodes rank above every unpinned node for eviction, until resume,
   deadline or close. Pins are capped per namespace (branches and tokens); over the cap KEEP degrades
@@ -67,6 +76,10 @@ PROFILE_ENV = "AGENTCACHE_PROFILE"                          # bandwidths and pre
 #: uses the same figures) once each direction has MIN_MEASURED_TRANSFERS copies; "0": the profile's.
 #: Default: on unless AGENTCACHE_PROFILE pins a profile.
 MEASURED_BANDWIDTH_ENV = "AGENTCACHE_USE_MEASURED_BANDWIDTH"
+#: "lazy" (default): a pause decision is advice to eviction and the host tier, nothing moves at the
+#: pause (see PauseBook.pause); "eager": the decision is carried out at once (offload copies the suffix
+#: out and frees it, discard frees it, keep pins it).
+PAUSE_MODE_ENV = "AGENTCACHE_PAUSE_MODE"
 MIN_MEASURED_TRANSFERS = 4
 #: Tokens of other branches' small nodes copied just above an offloaded suffix (see PauseBook._lead_in).
 LEAD_IN_TOKENS = 64
@@ -87,6 +100,7 @@ class PauseSettings:
     prefetch_window: int = 32
     prefetch_probe_every: int = 8  # while off, every n-th prefetch still runs, so it can turn back on
     use_measured_bandwidth: bool = False  # see MEASURED_BANDWIDTH_ENV
+    lazy: bool = True  # see PAUSE_MODE_ENV
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
@@ -113,7 +127,16 @@ def default_settings(allocator, pool_tokens: int) -> PauseSettings:
         prefill_tokens_per_s=profile.prefill_tokens_per_s, bytes_per_token=max(per_token, 1),
         max_kept_branches=env(MAX_KEPT_BRANCHES_ENV, 16), max_kept_tokens=env(MAX_KEPT_TOKENS_ENV, pool_tokens // 2),
         prefetch_budget_tokens=env(PREFETCH_TOKENS_ENV, max(pool_tokens // 8, 1)),
-        use_measured_bandwidth=os.environ.get(MEASURED_BANDWIDTH_ENV, "0" if named else "1") == "1")
+        use_measured_bandwidth=os.environ.get(MEASURED_BANDWIDTH_ENV, "0" if named else "1") == "1",
+        lazy=pause_mode() == "lazy")
+
+
+def pause_mode() -> str:
+    """``AGENTCACHE_PAUSE_MODE``: "lazy" (the default) or "eager"; anything else stops the server."""
+    mode = os.environ.get(PAUSE_MODE_ENV, "lazy").strip().lower()
+    if mode not in ("lazy", "eager"):
+        raise ValueError(f"{PAUSE_MODE_ENV}={mode!r}: expected 'lazy' or 'eager'")
+    return mode
 
 
 @dataclass
@@ -126,6 +149,8 @@ class PauseRecord:
     prefetched_tokens: int = 0  # restored speculatively, not yet used by a request
     prefetch_seconds: float = 0.0  # measured copy time of that restore (stats only)
     resuming: bool = False  # the branch's request arrived; its host copy waits for the request's match
+    advice: PauseAction | None = None  # lazy mode: the decision, carried out by eviction and the host tier
+    path: tuple | None = None  # lazy mode: (tokens, extra_key, cache_salt) of the branch's path (prefetch)
 
 
 def _key_tokens(key) -> array:
@@ -237,7 +262,9 @@ class PauseBook:
         return PauseInputs(
             retained_tokens=tokens, bytes_per_token=s.bytes_per_token, latency=latency,
             device_free_tokens=allocator.available_size(), device_evictable_tokens=self.cache.evictable_size(),
-            device_total_tokens=allocator.size, host_free_bytes=self.host.free_tokens() * s.bytes_per_token,
+            device_total_tokens=allocator.size,
+            # Spilled, unprotected nodes give way to a pause's copy (HostTier.has_room drops them).
+            host_free_bytes=(self.host.free_tokens() + self.cache.spill.droppable_tokens()) * s.bytes_per_token,
             h2d_bandwidth_Bps=h2d, d2h_bandwidth_Bps=d2h,
             prefill_tokens_per_s=s.prefill_tokens_per_s, elapsed_s=elapsed_s, deadline_s=deadline_s,
             priority=priority, resume_probability=resume_probability, prefetch_lead_s=prefetch_lead_s,
@@ -272,6 +299,11 @@ class PauseBook:
             self.counters["forced"] += 1
         record = self.records.get(branch)
         placement = record.placement if record is not None else Placement.DEVICE
+        if force is None and self.lazy and action is not PauseAction.RELEASE \
+                and placement is Placement.DEVICE:
+            return self._advise(branch, tool_class, action, decision)
+        if record is not None and record.advice is not None:  # a lazy pause becomes an applied one
+            self.cache.spill.advise(branch, None)
         if write_through:
             if action is not PauseAction.OFFLOAD:
                 raise ValueError("write_through applies to OFFLOAD only")
@@ -309,6 +341,45 @@ class PauseBook:
                     entry["reason"] if applied is action else f"{action.value} -> {applied.value}")
         return {"paused": applied is not PauseAction.RELEASE} | entry
 
+    @property
+    def lazy(self) -> bool:
+        """Pauses are advice (the default) only while the node spill runs: it is what carries the advice
+        out. With ``AGENTCACHE_HOST_SPILL=0`` a pause is applied at once, as in eager mode."""
+        return self.settings.lazy and self.cache.spill.enabled
+
+    def _advise(self, branch: BranchKey, tool_class: str, action: PauseAction, decision: PauseDecision) -> dict:
+        """Lazy mode: record the decision as advice, move nothing. The branch's KV stays where it is,
+        ranked as before; what eviction later takes of it is spilled to host and kept there ahead of
+        other host entries (OFFLOAD), spilled as usual (KEEP), or not spilled at all (DISCARD: not
+        worth host room). Its next request loads back what was spilled when it is matched; a prefetch
+        loads it back earlier. Nothing is pinned: measured on the replay suite, moving or pinning at
+        the pause cost more recompute than it saved (module docstring)."""
+        tip = self._tip(branch)
+        tokens = sum(len(n.key) for n in self.movable_suffix(branch))
+        self.kept.pop(branch, None)
+        record = PauseRecord(branch, tool_class, Placement.DEVICE, decision, tokens, advice=action,
+                             path=self._path_of(tip) if tip is not None else None)
+        self.records[branch] = record
+        self.counters["decisions"][action.value] += 1
+        self.cache.spill.advise(branch, action)
+        entry = {"branch": branch.to_dict(), "tool_class": tool_class, "action": action.value,
+                 "decided": action.value, "forced": False, "tokens": tokens, "lazy": True,
+                 "reason": decision.reason, "costs": {o.action.value: o.cost for o in decision.options if o.feasible}}
+        self.log.append(entry)
+        logger.info("agentcache pause %s/%s (%s, lazy): %s", branch.session, branch.branch, tool_class, decision.reason)
+        return {"paused": True} | entry
+
+    def _path_of(self, node) -> tuple:
+        """(tokens, extra_key, cache_salt) of the path from the root to the end of ``node``."""
+        core, parts = self.cache.tree_core, []
+        while node is not core.root_node:
+            parts.append(node.key)
+            node = node.parent
+        tokens = array("q")
+        for key in reversed(parts):
+            tokens.extend(_key_tokens(key))
+        return tokens, parts[0].extra_key, parts[0].cache_salt
+
     def _cap(self, name: str, caps: dict | None) -> int:
         """A server-wide cap, lowered (never raised) by a tenant's ceiling of the same name."""
         value = getattr(self.settings, name)
@@ -343,7 +414,9 @@ class PauseBook:
                 return self._apply(branch, PauseAction.DISCARD, placement)
             return PauseAction.OFFLOAD, moved
         freed = self._drop_host(branch) + self._discard(branch)
-        if action is PauseAction.RELEASE:
+        if action is PauseAction.RELEASE:  # every tier: what eviction spilled of it too
+            self.cache.spill.advise(branch, None)
+            freed += self.cache.spill.drop_owner(branch)
             self.counters["released_tokens"] += freed
         return action, freed
 
@@ -614,6 +687,8 @@ class PauseBook:
         if record is None:
             return {"resumed": False, "reason": "branch is not paused"}
         self.kept.pop(branch, None)
+        if record.advice is not None:  # lazy: its spilled nodes are ordinary host entries again
+            self.cache.spill.advise(branch, None)
         prefetched = record.prefetched_tokens
         if prefetched:  # judged before the restore below can bring back what was evicted again
             self._prefetch_outcome(branch, record)
@@ -711,7 +786,8 @@ class PauseBook:
         budget, into free memory only, and only while no request waits for admission (``queued``, the
         scheduler's waiting queue): speculation never competes with work that is already here."""
         record = self.records.get(branch)
-        if record is None or record.placement is not Placement.HOST or record.prefetched_tokens:
+        lazy = record is not None and record.advice is not None and record.path is not None
+        if record is None or (record.placement is not Placement.HOST and not lazy) or record.prefetched_tokens:
             self.prefetch["refused_nothing"] += 1
             return {"prefetched": False, "reason": "nothing on host for this branch (or already prefetched)"}
         if queued > 0:
@@ -723,7 +799,10 @@ class PauseBook:
             return {"prefetched": False, "reason": "prefetch is off for this namespace (precision below "
                                                      f"{self.settings.prefetch_min_precision})"}
         pending = sum(r.prefetched_tokens for b, r in self.records.items() if b.namespace == ns)
-        need = self.host.tokens_of(branch)
+        need = self.cache.spill.owner_tokens.get(branch, 0) if lazy else self.host.tokens_of(branch)
+        if need == 0:
+            self.prefetch["refused_nothing"] += 1
+            return {"prefetched": False, "reason": "nothing of this branch is on host"}
         if self.cache.token_to_kv_pool_allocator.available_size() < need:
             # Speculation only fills free memory: it never evicts what someone may still hit.
             self.prefetch["refused_room"] += 1
@@ -734,9 +813,15 @@ class PauseBook:
             self.prefetch["refused_budget"] += 1
             return {"prefetched": False, "reason": f"speculative budget: {pending} + {need} > {budget} tokens"}
         before = self.host.promotes.seconds
-        restored = self._restore(branch, keep_host=True)
-        if branch not in self.host.entries:
-            record.placement = Placement.NONE
+        if lazy:
+            from sglang.srt.mem_cache.radix_cache import RadixKey
+
+            tokens, extra_key, salt = record.path
+            restored = self.cache.load_spilled(RadixKey(array("q", tokens), extra_key, cache_salt=salt), evict=False)
+        else:
+            restored = self._restore(branch, keep_host=True)
+            if branch not in self.host.entries:
+                record.placement = Placement.NONE
         record.prefetched_tokens = restored
         record.prefetch_seconds = self.host.promotes.seconds - before
         self.prefetch["issued"] += 1
@@ -783,6 +868,7 @@ class PauseBook:
         if record is not None and record.prefetched_tokens:
             self._prefetch_outcome(branch, record, used=False)
         self.kept.pop(branch, None)
+        self.cache.spill.advise(branch, None)
         return self._drop_host(branch)
 
     def reset(self) -> int:
@@ -818,7 +904,8 @@ class PauseBook:
                              "max_kept_branches": self.settings.max_kept_branches,
                              "max_kept_tokens": self.settings.max_kept_tokens,
                              "prefetch_budget_tokens": self.settings.prefetch_budget_tokens,
-                             "use_measured_bandwidth": self.settings.use_measured_bandwidth},
+                             "use_measured_bandwidth": self.settings.use_measured_bandwidth,
+                             "lazy": self.lazy},
                 "measured": self.measured(),
                 "recent_decisions": list(self.log)[-16:]}
 

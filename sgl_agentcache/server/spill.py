@@ -46,7 +46,8 @@ from sgl_agentcache.server.host_tier import HostTier, nbytes_of
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
 
-#: "1": device evictions are spilled to the host tier and loaded back on a later match.
+#: "1" (the default): device evictions are spilled to the host tier and loaded back on a later match;
+#: "0": evicted KV is dropped, as stock SGLang does.
 HOST_SPILL_ENV = "AGENTCACHE_HOST_SPILL"
 
 
@@ -63,6 +64,7 @@ class SpillEntry:
     anchor: Any = None  # the device node it continues, when it hangs from the device
     parent: "SpillEntry | None" = None  # the entry it continues, when its anchor was evicted too
     children: list = field(default_factory=list, repr=False)
+    protected: bool = False  # its branch is paused with OFFLOAD advice: dropped for room only after the rest
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -78,21 +80,30 @@ class SpillTier:
         self.by_anchor: dict[Any, list[SpillEntry]] = {}  # device node -> entries hanging from it
         self.lru: OrderedDict[SpillEntry, None] = OrderedDict()  # every entry, least recently used first
         self.by_owner: dict[BranchKey, set[SpillEntry]] = {}
+        self.owner_tokens: dict[BranchKey, int] = {}  # host tokens per owner (they count toward its quota)
+        self.advice: dict[BranchKey, Any] = {}  # paused branches' lazy pause decisions (PauseBook._advise)
+        self.protected_tokens = 0
         self.tokens = 0
         self._spilled: dict[Any, SpillEntry] = {}  # node being evicted -> its new entry (see on_node_removed)
         self._pinned: set[SpillEntry] = set()  # a chain being loaded back: never dropped for room
         self.counters = {"spills": 0, "spilled_tokens": 0, "spill_refused_full": 0, "spill_failed": 0,
-                         "loads": 0, "loaded_tokens": 0, "load_failed": 0, "load_no_room": 0, "load_errors": 0,
+                         "spill_skipped_discard": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
+                         "load_no_room": 0, "load_errors": 0,
                          "dropped_tokens": {"room": 0, "closed": 0, "orphaned": 0, "purged": 0}}
         host.spill = self
 
     # ---- device -> host ----
 
-    def spill(self, node) -> None:
+    def spill(self, node, force: bool = False) -> None:
         """Stock eviction is about to take device leaf ``node``: copy it to host if there is room.
-        Terminated nodes (their branch ended) are never kept."""
+        Terminated nodes (their branch ended) are never kept. ``force``: spill even a node its branch's
+        DISCARD advice would skip (other branches' spilled entries hang from it and would be orphaned)."""
         state = node.agent
         if not self.enabled or state.terminated:
+            return
+        advice = self.advice.get(state.owner) if self.advice and state.owner is not None else None
+        if advice is not None and advice.value == "discard" and not force and node not in self.by_anchor:
+            self.counters["spill_skipped_discard"] += 1
             return
         n = len(node.key)
         if n == 0 or not self.make_room(n):
@@ -109,7 +120,8 @@ class SpillTier:
                         "" if failure is not None else " on another rank", failure)
             return
         key = node.key
-        entry = SpillEntry(array("q", key.token_ids[:n]), key.extra_key, key.cache_salt, state, kv, nbytes_of(kv))
+        entry = SpillEntry(array("q", key.token_ids[:n]), key.extra_key, key.cache_salt, state, kv, nbytes_of(kv),
+                           protected=advice is not None and advice.value == "offload")
         self._hang(entry, anchor=node.parent)
         self._add(entry)
         self._spilled[node] = entry
@@ -280,7 +292,10 @@ class SpillTier:
         owner = entry.state.owner
         if owner is not None:
             self.by_owner.setdefault(owner, set()).add(entry)
+            self.owner_tokens[owner] = self.owner_tokens.get(owner, 0) + len(entry)
         self.tokens += len(entry)
+        if entry.protected:
+            self.protected_tokens += len(entry)
         self.host.charge(len(entry), entry.nbytes)
 
     def _remove(self, entry: SpillEntry) -> None:
@@ -288,6 +303,11 @@ class SpillTier:
         del self.lru[entry]
         owner = entry.state.owner
         if owner is not None:
+            left = self.owner_tokens.get(owner, 0) - len(entry)
+            if left > 0:
+                self.owner_tokens[owner] = left
+            else:
+                self.owner_tokens.pop(owner, None)
             mine = self.by_owner.get(owner)
             if mine is not None:
                 mine.discard(entry)
@@ -303,6 +323,8 @@ class SpillTier:
             entry.parent.children.remove(entry)
         entry.anchor = entry.parent = None
         self.tokens -= len(entry)
+        if entry.protected:
+            self.protected_tokens -= len(entry)
         self.host.release(len(entry), entry.nbytes)
 
     def _drop_tree(self, entry: SpillEntry, reason: str) -> int:
@@ -330,11 +352,30 @@ class SpillTier:
         if n > host.capacity_tokens:
             return False
         while host.free_tokens() < n:
-            victim = next((e for e in self.lru if not e.children and e not in self._pinned), None)
+            # Unprotected leaves first (two lazy scans that stop at the first hit, not a list per victim).
+            victim = next((e for e in self.lru if not e.children and not e.protected and e not in self._pinned),
+                          None) or next((e for e in self.lru if not e.children and e not in self._pinned), None)
             if victim is None:
                 return False
             self._drop_tree(victim, "room")
         return True
+
+    def advise(self, branch: BranchKey, action) -> None:
+        """A paused ``branch``'s lazy decision (a PauseAction, or None when the pause ends): OFFLOAD
+        protects what is and will be spilled of it, DISCARD keeps it from being spilled."""
+        if action is None:
+            self.advice.pop(branch, None)
+        else:
+            self.advice[branch] = action
+        protect = action is not None and action.value == "offload"
+        for entry in self.by_owner.get(branch, ()):
+            if entry.protected != protect:
+                entry.protected = protect
+                self.protected_tokens += len(entry) if protect else -len(entry)
+
+    def droppable_tokens(self) -> int:
+        """Host tokens that room can be made from (spilled, not protected)."""
+        return self.tokens - self.protected_tokens
 
     def drop_owner(self, branch: BranchKey) -> int:
         """``branch`` ended: its entries go, with whatever hangs from them (a closed branch's scratch is
@@ -352,10 +393,12 @@ class SpillTier:
             self._remove(entry)
         self.by_anchor.clear()
         self._spilled.clear()
+        self.advice.clear()
         return freed
 
     def stats(self) -> dict:
         return {"enabled": self.enabled, "entries": len(self.lru), "tokens": self.tokens,
+                "protected_tokens": self.protected_tokens, "advised_branches": len(self.advice),
                 "anchors": len(self.by_anchor), **self.counters}
 
 

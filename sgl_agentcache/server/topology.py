@@ -11,7 +11,7 @@
   has backed up, SGLang's ``evict_device_leaf(is_write_back=False)`` demotes it to HiCache's host pool
   instead of deleting it, so a closed branch's tokens and an offloaded suffix would live on in HiCache
   (an offloaded suffix in both host tiers), and HiCache's backups lock nodes our moves expect to free.
-  The node spill (``AGENTCACHE_HOST_SPILL=1``) gives HiCache's write-back semantics on our host tier.
+  The node spill (on by default, ``AGENTCACHE_HOST_SPILL``) gives HiCache's write-back semantics on our host tier.
 - **Pipeline parallelism** (``--pp-size`` > 1): every rank must agree on the outcome of each host<->device
   copy before acting on it (``server/agreement.py``); that agreement covers the TP ranks of the first
   pipeline stage, whose verdict the later stages follow, so a copy failing on a later stage would go
@@ -56,7 +56,7 @@ def refusal(radix_cache_backend: str | None, dp_size: int, attn_dp_size: int, to
                 "--enable-hierarchical-cache: HiCache keeps a backed-up node on its host tier when our "
                 "close, discard or offload frees it on the device, so a closed branch's tokens and an "
                 "offloaded suffix would live on there (in both host tiers). Drop the flag: paused "
-                "branches are offloaded to our own host tier, and AGENTCACHE_HOST_SPILL=1 keeps evicted "
+                "branches are offloaded to our own host tier, and the node spill (on by default) keeps evicted "
                 "nodes on host and loads them back on a later match, as HiCache does.")
     if ours and pp_size > 1:
         return (f"sgl_agentcache: --radix-cache-backend {BACKEND_NAME} does not support pipeline parallelism "

@@ -1,0 +1,205 @@
+"""Lazy tool pauses (the default): a decision is advice to eviction and the node spill; nothing moves
+at the pause.
+
+On the real cache offline (SGLang's CPU pools): KEEP leaves the branch as it is (no pin), OFFLOAD
+protects what eviction later spills of it on the host tier, DISCARD keeps it from being spilled; the
+branch's next request loads back what was spilled, byte for byte; a prefetch does it earlier into
+free memory; a deadline releases every tier; nothing leaks. Token ids stay below 512.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sgl_agentcache.hints import lifecycle_envelope
+from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.policy.distributions import LogNormal, PointMass
+from sgl_agentcache.policy.pause import PauseAction
+from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+
+NS = namespace_key(None, None)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+class Lazy:
+    def __init__(self, pool: int = 1024, host: int = 4096):
+        self.cache = build_offline_cache(pool_tokens=pool)
+        self.cache.set_host_spill(True)
+        self.cache.pauses.host.capacity_tokens = host
+        assert self.cache.pauses.settings.lazy  # the default
+        # Decisions priced as the seed profile's deployment (36 KiB per token), not the 8-byte test pool.
+        self.cache.pauses.settings.bytes_per_token = 36 * 1024
+        self.driver = OfflineDriver(self.cache)
+        self.kv = self.cache.token_to_kv_pool_allocator.get_kvcache()
+        self.n = 0
+
+    def turn(self, prompt, session=None, branch="main", out=(7,), stamp=None):
+        self.n += 1
+        hint = None if session is None else lifecycle_envelope({"session": session, "branch": branch},
+                                                               message_id=f"m{self.n}")
+        req = self.driver.admit(f"r{self.n}", prompt, kv_hints=hint)
+        cached = req.cached_tokens
+        if stamp is not None:
+            idx = self.driver.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(prompt)]
+            for buf in self.kv.k_buffer + self.kv.v_buffer:
+                buf[idx] = (torch.arange(len(prompt), dtype=buf.dtype) + stamp).view(-1, 1, 1)
+        self.driver.extend(req, list(out))
+        self.driver.finish(req)
+        return cached
+
+    def kv_of_path(self, prompt):
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        with self.driver.activated():
+            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+            slots = self.cache.path_device_indices(match.last_device_node)[: match.device_prefix_len]
+        return [buf[slots].flatten().clone() for buf in self.kv.k_buffer + self.kv.v_buffer]
+
+    def pause(self, session, latency, branch="main", **kw):
+        with self.driver.activated():
+            return self.cache.pauses.pause(BranchKey(NS, session, branch), latency, **kw)
+
+    def resident(self, session, branch="main"):
+        return self.cache.tree_core.resident_owned_tokens(BranchKey(NS, session, branch))
+
+    def assert_clean(self):
+        report = self.driver.check()
+        assert report.ok, report.errors
+        assert self.driver.idle_free_tokens() == self.driver.pool_tokens
+
+
+LONG = LogNormal(median_s=60.0, sigma=1.5)  # a long-tailed tool: worth keeping on host, not on the device
+SHORT = PointMass(0.01)
+
+
+def test_a_lazy_pause_decides_but_moves_and_pins_nothing():
+    h = Lazy()
+    prompt = ids(1, 300)
+    h.turn(prompt, "a")
+    before = h.resident("a")
+    result = h.pause("a", LONG, tool_class="ci_run")
+    assert result["lazy"] is True and result["action"] in ("keep", "offload", "discard")
+    assert h.resident("a") == before and not h.cache.pauses.host.entries and not h.cache.pauses.kept
+    assert h.cache.pauses.counters["decisions"][result["action"]] == 1
+    h.assert_clean()
+
+
+def test_offload_advice_protects_the_spilled_branch_and_the_resume_loads_it_back_exactly():
+    h = Lazy(pool=1024, host=900)
+    prompt = ids(2, 400)
+    h.turn(prompt, "agent", stamp=0.25)
+    before = h.kv_of_path(prompt)
+    assert h.pause("agent", LONG, tool_class="ci_run")["action"] == "offload"
+    for k in range(4):  # other agents' one-shot sessions: fill the device, spill, churn the host tier
+        h.turn(ids(100 + k, 500), f"other{k}")
+    spill = h.cache.spill
+    agent = BranchKey(NS, "agent", "main")
+    assert spill.owner_tokens.get(agent, 0) > 0 and spill.protected_tokens > 0
+    assert spill.counters["dropped_tokens"]["room"] > 0  # others' entries went first
+    assert all(e.protected for e in spill.by_owner[agent])
+    cached = h.turn(prompt + ids(3, 20), "agent")  # the tool returned
+    assert cached >= 400
+    assert all(torch.equal(a, b) for a, b in zip(h.kv_of_path(prompt), before))
+    assert agent not in h.cache.pauses.records and not spill.advice
+    h.assert_clean()
+
+
+def test_discard_advice_keeps_a_branch_out_of_the_host_tier():
+    h = Lazy(pool=1024, host=4096)
+    h.turn(ids(4, 300), "gone")
+    h.cache.pauses.settings.prefill_tokens_per_s = 1e12  # recomputing it costs nothing: not worth host room
+    result = h.pause("gone", LONG, tool_class="ci_run", resume_probability=0.05)
+    assert result["action"] == "discard", result
+    for k in range(3):
+        h.turn(ids(200 + k, 500), f"other{k}")
+    spill = h.cache.spill
+    assert spill.counters["spill_skipped_discard"] > 0
+    assert spill.owner_tokens.get(BranchKey(NS, "gone", "main"), 0) == 0
+    h.assert_clean()
+
+
+def test_a_deadline_releases_every_tier_and_a_prefetch_loads_back_into_free_memory():
+    h = Lazy(pool=1024, host=4096)
+    late, soon = ids(5, 300), ids(6, 300)
+    h.turn(late, "late")
+    h.turn(soon, "soon")
+    h.pause("late", LONG, tool_class="ci_run")
+    h.pause("soon", LONG, tool_class="ci_run")
+    for k in range(2):
+        h.turn(ids(300 + k, 500), f"other{k}")  # both branches spill
+    spill, pauses = h.cache.spill, h.cache.pauses
+    late_key, soon_key = BranchKey(NS, "late", "main"), BranchKey(NS, "soon", "main")
+    assert spill.owner_tokens.get(late_key, 0) > 0 and spill.owner_tokens.get(soon_key, 0) > 0
+    with h.driver.activated():
+        expired = pauses.expire(late_key)
+    assert expired["expired"] and spill.owner_tokens.get(late_key, 0) == 0 and late_key not in pauses.records
+    h.driver.step()
+    with h.driver.activated():
+        h.cache.evict(EvictParams(num_tokens=1024))  # room: a prefetch only uses free memory
+        pauses.settings.prefetch_budget_tokens = 1024  # the default (an eighth of the pool) is too small here
+        got = pauses.prefetch_branch(soon_key)
+    assert got["prefetched"] is True and got["restored_tokens"] > 0, got
+    assert h.turn(soon + ids(7, 10), "soon") >= 300
+    assert pauses.prefetch["used"] == 1
+    h.assert_clean()
+
+
+def test_decisions_follow_the_tools_distribution():
+    """The decision is still priced per pause (a mix, not one answer): a fast tool's branch is kept,
+    a long-tailed one's is advised to host."""
+    h = Lazy(pool=1024, host=4096)
+    h.turn(ids(8, 300), "fast")
+    h.turn(ids(9, 300), "slow")
+    assert h.pause("fast", SHORT, tool_class="grep")["action"] == "keep"
+    assert h.pause("slow", LONG, tool_class="ci_run")["action"] == "offload"
+    assert {k: v for k, v in h.cache.pauses.counters["decisions"].items() if v} == {"keep": 1, "offload": 1}
+    h.assert_clean()
+
+
+def test_closing_or_forcing_a_lazily_paused_branch_drops_its_advice():
+    h = Lazy(pool=1024, host=4096)
+    h.turn(ids(10, 300), "closed")
+    h.turn(ids(11, 300), "forced")
+    h.pause("closed", LONG, tool_class="ci_run")
+    h.pause("forced", LONG, tool_class="ci_run")
+    spill = h.cache.spill
+    closed, forced = BranchKey(NS, "closed", "main"), BranchKey(NS, "forced", "main")
+    assert set(spill.advice) == {closed, forced}
+    with h.driver.activated():
+        h.cache.close_branch(closed)
+        # A forced action (the replayer's baselines, a control op) applies at once and ends the advice.
+        h.cache.pauses.pause(forced, LONG, tool_class="ci_run", force=PauseAction.DISCARD)
+    assert not spill.advice and spill.protected_tokens == 0
+    h.assert_clean()
+
+
+def test_an_over_quota_leaf_is_still_spilled_when_other_branches_copies_hang_from_it():
+    """Trimming an over-quota branch must not orphan a fork's spilled (protected) scratch below it."""
+    h = Lazy(pool=1024, host=4096)
+    lead = ids(12, 300)
+    h.turn(lead, "L", out=(7,))
+    fork_hint = lifecycle_envelope({"session": "L", "branch": "w", "parent_branch": "main",
+                                    "fork_point_tokens": 301}, message_id="fork")
+    req = h.driver.admit("fork", lead + [7] + ids(13, 200), kv_hints=fork_hint)
+    h.driver.extend(req, [7])
+    h.driver.finish(req)
+    worker, lead_key = BranchKey(NS, "L", "w"), BranchKey(NS, "L", "main")
+    assert h.pause("L", LONG, branch="w", tool_class="ci_run")["action"] == "offload"
+    h.cache.quotas[lead_key] = 16  # the lead is over its quota: its leaves go first and are not kept
+    for k in range(3):
+        h.turn(ids(400 + k, 500), f"other{k}")
+    spill = h.cache.spill
+    assert h.resident("L") == 0 and h.cache.quota_trimmed_tokens == 0  # spilled for the fork, not trimmed
+    assert spill.owner_tokens.get(worker, 0) >= 200 and spill.counters["dropped_tokens"]["orphaned"] == 0
+    assert h.turn(lead + [7] + ids(13, 200) + [7, 9], "L", branch="w") >= 500  # the fork resumes from host
+    h.assert_clean()

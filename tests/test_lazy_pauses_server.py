@@ -1,0 +1,82 @@
+"""Lazy tool pauses (the default) on a real SGLang server (CPU): the decision is advice, nothing moves
+at the pause; when other agents need the pool, the paused branch's KV is spilled to host (protected,
+for an offload decision) and its next turn loads it back, with greedy output identical to a run that
+never paused; a passed deadline releases it on every tier.
+
+Runs on the shared server (conftest.py: product defaults, decisions priced as the seed's 36 KiB/token
+deployment, ``ci_run`` a long-tailed tool class).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sgl_agentcache.hints import lifecycle_envelope
+
+pytestmark = pytest.mark.server
+
+
+def _gen(server, ids, session, *, extra_key, max_new_tokens=6):
+    body = {"input_ids": ids, "extra_key": extra_key,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "kv_hints": lifecycle_envelope({"session": session}, message_id=f"m-{time.monotonic_ns()}")}
+    out = server.generate(body)
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+
+def _stats(server):
+    status, stats = server.request("GET", "/agentcache/stats")
+    assert status == 200
+    return stats
+
+
+def _flood(server, tokens, extra_key, n=5):
+    """Other agents' sessions that need most of the 4096-token pool."""
+    for k in range(n):
+        _gen(server, tokens.ids(900), f"flood-{k}-{time.monotonic_ns()}", extra_key=extra_key, max_new_tokens=1)
+
+
+def test_offload_advice_moves_nothing_then_spills_and_loads_back_exactly(server, tokens):
+    assert _stats(server)["pauses"]["settings"]["lazy"] is True  # the default
+    prompt, tool_result = tokens.ids(300), tokens.ids(40)
+    # The reference: the same two turns in another namespace, never paused, never evicted.
+    ref1, _ = _gen(server, prompt, "ref", extra_key="lazy-ref")
+    ref2, _ = _gen(server, prompt + ref1 + tool_result, "ref", extra_key="lazy-ref")
+
+    out1, _ = _gen(server, prompt, "agent", extra_key="lazy")
+    assert out1 == ref1
+    resident = sum(_stats(server)["resident_tokens"].values())
+    status, paused = server.request("POST", "/agentcache/pause", {"session": "agent", "extra_key": "lazy",
+                                                                  "tool_class": "ci_run"})
+    assert status == 200 and paused["action"] == "offload" and paused["lazy"] is True, paused
+    assert sum(_stats(server)["resident_tokens"].values()) == resident  # nothing moved
+    spilled = _stats(server)["spill"]["spilled_tokens"]
+    _flood(server, tokens, extra_key="lazy-flood")
+    stats = _stats(server)
+    assert stats["spill"]["spilled_tokens"] > spilled and stats["spill"]["protected_tokens"] > 0
+    out2, cached = _gen(server, prompt + out1 + tool_result, "agent", extra_key="lazy")
+    assert cached >= len(prompt)  # loaded back from host, not recomputed
+    assert out2 == ref2  # the KV that came back is the KV that left
+    status, report = server.request("GET", "/agentcache/check")
+    assert status == 200 and report["ok"], report
+
+
+def test_a_passed_deadline_releases_the_spilled_branch_too(server, tokens):
+    prompt = tokens.ids(300)
+    _gen(server, prompt, "late", extra_key="lazy-late")
+    releases = _stats(server)["pauses"]["deadline_releases"]
+    # A fast tool (it would resume before the deadline): kept, then spilled by the flood.
+    status, paused = server.request("POST", "/agentcache/pause", {"session": "late", "extra_key": "lazy-late",
+                                                                  "tool_class": "grep", "deadline_ms": 4000})
+    assert status == 200 and paused["action"] in ("keep", "offload") and paused["lazy"] is True, paused
+    _flood(server, tokens, extra_key="lazy-late-flood")
+    deadline = time.monotonic() + 20
+    while _stats(server)["pauses"]["deadline_releases"] == releases and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _stats(server)["pauses"]["deadline_releases"] > releases
+    _, cached = _gen(server, prompt + tokens.ids(10), "late2", extra_key="lazy-late")
+    assert cached == 0  # released on every tier: nothing left to load back
+    status, report = server.request("GET", "/agentcache/check")
+    assert status == 200 and report["ok"], report
