@@ -114,18 +114,54 @@ def test_offload_advice_protects_the_spilled_branch_and_the_resume_loads_it_back
     h.assert_clean()
 
 
-def test_discard_advice_keeps_a_branch_out_of_the_host_tier():
-    h = Lazy(pool=1024, host=4096)
+def _discarded(host: int) -> "Lazy":
+    h = Lazy(pool=1024, host=host)
     h.turn(ids(4, 300), "gone")
     h.cache.pauses.settings.prefill_tokens_per_s = 1e12  # recomputing it costs nothing: not worth host room
     result = h.pause("gone", LONG, tool_class="ci_run", resume_probability=0.05)
     assert result["action"] == "discard", result
     for k in range(3):
         h.turn(ids(200 + k, 500), f"other{k}")
-    spill = h.cache.spill
-    assert spill.counters["spill_skipped_discard"] > 0
-    assert spill.owner_tokens.get(BranchKey(NS, "gone", "main"), 0) == 0
-    h.assert_clean()
+    return h
+
+
+def test_discard_advice_spills_only_into_free_host_room_and_goes_first():
+    gone = BranchKey(NS, "gone", "main")
+    full = _discarded(host=600)  # the others' evicted nodes fill the host tier: it gives way to them
+    counters = full.cache.spill.counters
+    assert counters["spill_skipped_discard"] + counters["dropped_tokens"]["room"] > 0
+    assert full.cache.spill.owner_tokens.get(gone, 0) == 0 and full.cache.spill.tokens > 0
+    full.assert_clean()
+
+    roomy = _discarded(host=4096)  # free room: kept, but ahead of every other entry for the next drop
+    spill = roomy.cache.spill
+    held = spill.owner_tokens.get(gone, 0)
+    assert held > 0 and spill.counters["spill_skipped_discard"] == 0
+    others = {b: t for b, t in spill.owner_tokens.items() if b != gone}
+    assert spill.make_room(spill.host.free_tokens() + 1)
+    assert spill.owner_tokens.get(gone, 0) < held
+    assert {b: t for b, t in spill.owner_tokens.items() if b != gone} == others
+    roomy.assert_clean()
+
+
+def test_an_over_quota_branch_spills_only_into_free_host_room():
+    """A quota bounds fairness under pressure: with free host room an over-quota branch's evicted
+    leaves are kept there (not trimmed); with a full host tier they never displace another entry."""
+    for host, kept in ((4096, True), (300, False)):
+        h = Lazy(pool=1024, host=host)
+        h.turn(ids(14, 600), "big")
+        big = BranchKey(NS, "big", "main")
+        h.cache.quotas[big] = 16
+        for k in range(3):
+            h.turn(ids(410 + k, 500), f"other{k}")
+        spill = h.cache.spill
+        assert h.resident("big") < 600
+        if kept:
+            assert spill.owner_tokens.get(big, 0) > 0 and h.cache.quota_trimmed_tokens == 0
+        else:
+            assert spill.counters["spill_skipped_over_quota"] > 0 and h.cache.quota_trimmed_tokens > 0
+            assert spill.owner_tokens.get(big, 0) == 0
+        h.assert_clean()
 
 
 def test_a_deadline_releases_every_tier_and_a_prefetch_loads_back_into_free_memory():

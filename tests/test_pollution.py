@@ -130,7 +130,9 @@ def test_c_runaway_branch_is_trimmed_first(mode_server, tiny_model):
     _record("c: runaway branch", mode, kept, len(victim))
     if mode.startswith("agentcache"):
         _, stats = server.request("GET", "/agentcache/stats")
-        assert stats["quota_trimmed_tokens"] > 0  # the runaway went first (a fairness bound, not a cap)
+        # The runaway went first (a fairness bound, not a cap): trimmed, or spilled into free host room.
+        runaway = sum(b.get("spilled_tokens", 0) for b in stats["branches"] if b["branch"] == "loop")
+        assert stats["quota_trimmed_tokens"] + runaway > 0
         assert kept >= len(victim)
     else:
         assert kept < len(victim) // 2

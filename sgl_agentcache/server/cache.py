@@ -13,7 +13,7 @@ What it adds to the stock cache:
   SCRATCH with their owner; nodes it matched are shared and never charged;
 - a branch's charge is bounded by a server-side quota, as a fairness bound rather than a cap: a branch
   may hold more while memory is free, but under pressure an over-quota branch's nodes go first (its
-  own oldest first), before anything else alive, and are not spilled to host;
+  own oldest first), before anything else alive, and go to host only into free room;
 - closing a branch (route, ``close`` hint, abort of a fork, session close) stamps its nodes terminated and frees the
   unlocked ones in the same scheduler step; locked ones go when their request releases them;
 - eviction ranks leaves by :func:`~sgl_agentcache.lifecycle.eviction_rank` (terminated, over quota,
@@ -540,21 +540,21 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def _evict_device_leaf(self, node_id, tracker):
         """Stock eviction of one leaf (memory pressure). A leaf paused branches' host copies hang from is
-        first spilled into them; with the node spill on, the leaf itself is copied to host, unless its
-        branch is over its quota (trimmed: an over-quota branch cannot crowd the host tier either)."""
+        first spilled into them; with the node spill on, the leaf itself is copied to host (an over-quota
+        branch's leaf only into free host room: it cannot crowd other branches off the host tier either;
+        ``quota_trimmed_tokens`` counts what went without a copy)."""
         anchors, spill = self.pauses.anchors, self.spill
         node = self.tree_core.node_by_id(node_id)
         state = node.agent
         trimmed = state.owner is not None and not state.terminated and self.over_quota(state.owner)
-        continued = node in spill.by_anchor  # other branches' spilled nodes continue it: spill it anyway
-        if trimmed and not continued:
-            self.quota_trimmed_tokens += len(node.key)
         if not anchors and not spill.enabled:
+            if trimmed:
+                self.quota_trimmed_tokens += len(node.key)
             return super()._evict_device_leaf(node_id, tracker)
         if anchors and node in anchors:
             self.pauses.spill_anchor(node)
-        if not trimmed or continued:
-            spill.spill(node, force=trimmed)
+        if not spill.spill(node, low_value=trimmed) and trimmed:
+            self.quota_trimmed_tokens += len(node.key)
         try:
             return super()._evict_device_leaf(node_id, tracker)
         finally:

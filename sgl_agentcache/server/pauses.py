@@ -9,10 +9,10 @@ rate of the deployment's profile), so every rank takes the same decision. Transf
 measured here; they enter decisions only as figures relayed back through the messages (rank 0's, see
 :meth:`PauseBook.measured`), never as each rank's own clock readings.
 
-Two modes (``AGENTCACHE_PAUSE_MODE``). **Lazy**, the default while the node spill runs: the decision
+Two modes (``AGENTCACHE_PAUSE_MODE``). **Lazy**, the default while the node spill runs or there is no host tier: the decision
 is advice and nothing moves at the pause. The branch stays ranked as before; what eviction later takes
 of it is spilled to host and kept there ahead of other host entries (OFFLOAD), spilled like any evicted
-node (KEEP), or not spilled (DISCARD). Its next request loads back what was spilled; a prefetch loads
+node (KEEP), or spilled only into free host room and dropped first (DISCARD). Its next request loads back what was spilled; a prefetch loads
 it earlier; RELEASE (deadline) frees it on every tier at once. Nothing is pinned, so the ``max_kept_*``
 caps have nothing to bound. Measured on the replay suite, moving or pinning at the pause recomputed
 more than it saved, because a pause rarely coincides with the moment memory is needed.
@@ -343,15 +343,17 @@ class PauseBook:
 
     @property
     def lazy(self) -> bool:
-        """Pauses are advice (the default) only while the node spill runs: it is what carries the advice
-        out. With ``AGENTCACHE_HOST_SPILL=0`` a pause is applied at once, as in eager mode."""
-        return self.settings.lazy and self.cache.spill.enabled
+        """Pauses are advice (the default) while the node spill runs (it is what carries the advice out)
+        and when there is no host tier at all (an applied pause could only pin or drop the branch; on the
+        replay suite both recomputed more than leaving it to eviction, up to 1.8x stock). With
+        ``AGENTCACHE_HOST_SPILL=0`` and a host tier, a pause is applied at once, as in eager mode."""
+        return self.settings.lazy and (self.cache.spill.enabled or self.host.capacity_tokens == 0)
 
     def _advise(self, branch: BranchKey, tool_class: str, action: PauseAction, decision: PauseDecision) -> dict:
         """Lazy mode: record the decision as advice, move nothing. The branch's KV stays where it is,
         ranked as before; what eviction later takes of it is spilled to host and kept there ahead of
-        other host entries (OFFLOAD), spilled as usual (KEEP), or not spilled at all (DISCARD: not
-        worth host room). Its next request loads back what was spilled when it is matched; a prefetch
+        other host entries (OFFLOAD), spilled as usual (KEEP), or only into free host room, dropped
+        first (DISCARD: not worth displacing anything). Its next request loads back what was spilled when it is matched; a prefetch
         loads it back earlier. Nothing is pinned: measured on the replay suite, moving or pinning at
         the pause cost more recompute than it saved (module docstring)."""
         tip = self._tip(branch)

@@ -87,28 +87,33 @@ class SpillTier:
         self._spilled: dict[Any, SpillEntry] = {}  # node being evicted -> its new entry (see on_node_removed)
         self._pinned: set[SpillEntry] = set()  # a chain being loaded back: never dropped for room
         self.counters = {"spills": 0, "spilled_tokens": 0, "spill_refused_full": 0, "spill_failed": 0,
-                         "spill_skipped_discard": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
+                         "spill_skipped_discard": 0, "spill_skipped_over_quota": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
                          "load_no_room": 0, "load_errors": 0,
                          "dropped_tokens": {"room": 0, "closed": 0, "orphaned": 0, "purged": 0}}
         host.spill = self
 
     # ---- device -> host ----
 
-    def spill(self, node, force: bool = False) -> None:
-        """Stock eviction is about to take device leaf ``node``: copy it to host if there is room.
-        Terminated nodes (their branch ended) are never kept. ``force``: spill even a node its branch's
-        DISCARD advice would skip (other branches' spilled entries hang from it and would be orphaned)."""
+    def spill(self, node, force: bool = False, low_value: bool = False) -> bool:
+        """Stock eviction is about to take device leaf ``node``: copy it to host if there is room; True
+        when it did. Terminated nodes (their branch ended) are never kept. A low-value node (its branch is
+        over its quota, ``low_value``, or was advised DISCARD at a pause) goes only into free host room,
+        never displacing another entry, and is the first entry dropped for room later: a quota is a
+        fairness bound under pressure, not a cap while memory is free. ``force``: spill it as any other
+        node (other branches' spilled entries hang from it and would be orphaned)."""
         state = node.agent
         if not self.enabled or state.terminated:
-            return
+            return False
         advice = self.advice.get(state.owner) if self.advice and state.owner is not None else None
-        if advice is not None and advice.value == "discard" and not force and node not in self.by_anchor:
-            self.counters["spill_skipped_discard"] += 1
-            return
+        discard = advice is not None and advice.value == "discard"
+        low_value = (low_value or discard) and not force and node not in self.by_anchor
         n = len(node.key)
+        if low_value and n > self.host.free_tokens():
+            self.counters["spill_skipped_discard" if discard else "spill_skipped_over_quota"] += 1
+            return False
         if n == 0 or not self.make_room(n):
             self.counters["spill_refused_full"] += 1
-            return
+            return False
         kv, failure = None, None
         try:
             kv = self.host.copy_out(node.component_data[FULL].value)
@@ -124,9 +129,12 @@ class SpillTier:
                            protected=advice is not None and advice.value == "offload")
         self._hang(entry, anchor=node.parent)
         self._add(entry)
+        if low_value:
+            self.lru.move_to_end(entry, last=False)  # first to go when room is needed
         self._spilled[node] = entry
         self.counters["spills"] += 1
         self.counters["spilled_tokens"] += n
+        return True
 
     def on_node_removed(self, node) -> None:
         """``node`` left the tree (tree-core hook). What hung from it hangs from its new entry if it was
