@@ -152,7 +152,7 @@ class CpuServer:
             cmd += ["--radix-cache-backend", self.backend]
         return cmd + list(self.extra_args)
 
-    def start(self, timeout: float = 240.0) -> "CpuServer":
+    def start(self, timeout: float = 480.0) -> "CpuServer":
         """Launch the server and wait until ``/health`` answers 200.
 
         On any failure or interruption while waiting (including :class:`Terminated` or

@@ -70,7 +70,7 @@ def server(tiny_model, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # one module uses it: stop it after (an idle server busy-polls a core)
 def eager_server(tiny_model, tmp_path_factory):
     """A server whose pause decisions are carried out at once (``AGENTCACHE_PAUSE_MODE=eager``: offload
     copies the suffix out and frees it, discard frees it, keep pins it), without the node spill, so the

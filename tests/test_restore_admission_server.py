@@ -3,7 +3,7 @@ item 12), on a real SGLang server (CPU) with ``--schedule-policy lpm``.
 
 With a cache-aware policy the scheduler matches every waiting request at every step to rank the queue
 (``SchedulePolicy.calc_priority``), and each of those matches used to run the request's restore. Here a
-long prompt is prefilled in 16-token chunks, so a returning agent turn that arrives meanwhile waits for
+long prompt is prefilled in 8-token chunks, so a returning agent turn that arrives meanwhile waits for
 dozens of steps, ranked at each; its copy must stay on host until the step that admits it.
 """
 
@@ -28,7 +28,7 @@ TOOL_PRIORS = {"ci_run": {"median_s": 60.0, "sigma": 1.5}}  # long-tailed: a pau
 def lpm_server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("lpm-server") / "sglang.log"
     srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, context_length=2048,
-                    extra_args=("--schedule-policy", "lpm", "--chunked-prefill-size", "16", "--enable-cache-report"),
+                    extra_args=("--schedule-policy", "lpm", "--chunked-prefill-size", "8", "--enable-cache-report"),
                     # Eager pauses: the offload puts the copy on host at the pause, so the test can watch
                     # it stay there until admission (lazy pauses load spilled nodes back at the same match).
                     env={"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
@@ -69,7 +69,7 @@ def test_a_waiting_turns_copy_stays_on_host_until_the_turn_is_admitted(lpm_serve
     on_host = before["pauses"]["host"]["used_tokens"]
     assert on_host >= paused["tokens"] > 0
 
-    long_thread, _ = _in_thread(srv, _body(tokens.ids(1900), max_new_tokens=1))  # ~120 chunks of 16
+    long_thread, _ = _in_thread(srv, _body(tokens.ids(1900), max_new_tokens=1))  # ~240 chunks of 8
     deadline = time.monotonic() + 60
     while _stats(srv)["resident_tokens"]["untagged"] == 0:  # its first chunks are in: it is the chunked request
         assert time.monotonic() < deadline and long_thread.is_alive(), "the long prefill never started"
