@@ -62,7 +62,8 @@ def _verdicts(body: dict, pressure: str, host: float) -> list[str]:
             continue
         best = min(mine, key=lambda c: summary.get((w, c["other"]), 9.0))
         lo, hi = best["ci95"]
-        out.append(f"`{w}` {best['verdict']} than `{best['other']}` ({best['ratio']:.2f}x, 95% CI "
+        relation = "tie with" if best["verdict"] == "tie" else f"{best['verdict']} than"
+        out.append(f"`{w}` {relation} `{best['other']}` ({best['ratio']:.2f}x, 95% CI "
                    f"[{lo:.2f}, {hi:.2f}])")
     return out
 
