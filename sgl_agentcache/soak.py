@@ -190,6 +190,8 @@ class Soak:
             "resident_tokens": {"before": before["resident_tokens"], "after": stats["resident_tokens"]},
             "pause_decisions": stats["pauses"]["decisions"],
             "deadline_releases": stats["pauses"]["deadline_releases"] - before["pauses"]["deadline_releases"],
+            # Copies of the node spill (lazy pauses move KV there, not at the pause) that failed, this run.
+            "spill_failures": {k: stats["spill"][k] - before["spill"][k] for k in ("spill_failed", "load_failed")},
             "fallbacks": {"offload": stats["pauses"]["offload_fallbacks"],
                           "restore": stats["pauses"]["restore_failures"]},
         }
