@@ -2,7 +2,8 @@
 at the pause.
 
 On the real cache offline (SGLang's CPU pools): KEEP leaves the branch as it is (no pin), OFFLOAD
-protects what eviction later spills of it on the host tier, DISCARD keeps it from being spilled; the
+protects what eviction later spills of it on the host tier, DISCARD lets it onto host only into free
+room, first to be dropped; the
 branch's next request loads back what was spilled, byte for byte; a prefetch does it earlier into
 free memory; a deadline releases every tier; nothing leaks. Token ids stay below 512.
 """
@@ -115,28 +116,32 @@ def test_offload_advice_protects_the_spilled_branch_and_the_resume_loads_it_back
 
 
 def _discarded(host: int) -> "Lazy":
+    """``early`` (500 tokens, ordinary) is evicted and spilled first; then ``gone`` (300 tokens,
+    advised DISCARD) is evicted."""
     h = Lazy(pool=1024, host=host)
+    h.turn(ids(3, 500), "early")
     h.turn(ids(4, 300), "gone")
     h.cache.pauses.settings.prefill_tokens_per_s = 1e12  # recomputing it costs nothing: not worth host room
     result = h.pause("gone", LONG, tool_class="ci_run", resume_probability=0.05)
     assert result["action"] == "discard", result
-    for k in range(3):
+    for k in range(2):
         h.turn(ids(200 + k, 500), f"other{k}")
     return h
 
 
 def test_discard_advice_spills_only_into_free_host_room_and_goes_first():
-    gone = BranchKey(NS, "gone", "main")
-    full = _discarded(host=600)  # the others' evicted nodes fill the host tier: it gives way to them
-    counters = full.cache.spill.counters
-    assert counters["spill_skipped_discard"] + counters["dropped_tokens"]["room"] > 0
-    assert full.cache.spill.owner_tokens.get(gone, 0) == 0 and full.cache.spill.tokens > 0
+    gone, early = BranchKey(NS, "gone", "main"), BranchKey(NS, "early", "main")
+    full = _discarded(host=700)  # early's copy leaves 200 tokens free: gone does not displace it
+    spill = full.cache.spill
+    assert spill.counters["spill_skipped_discard"] > 0 and spill.counters["dropped_tokens"]["room"] == 0
+    assert spill.owner_tokens.get(gone, 0) == 0 and spill.owner_tokens.get(early, 0) >= 500
     full.assert_clean()
 
     roomy = _discarded(host=4096)  # free room: kept, but ahead of every other entry for the next drop
     spill = roomy.cache.spill
     held = spill.owner_tokens.get(gone, 0)
     assert held > 0 and spill.counters["spill_skipped_discard"] == 0
+    assert next(iter(spill.lru)).state.owner == gone  # spilled after early's copy, yet first in line
     others = {b: t for b, t in spill.owner_tokens.items() if b != gone}
     assert spill.make_room(spill.host.free_tokens() + 1)
     assert spill.owner_tokens.get(gone, 0) < held
@@ -146,21 +151,24 @@ def test_discard_advice_spills_only_into_free_host_room_and_goes_first():
 
 def test_an_over_quota_branch_spills_only_into_free_host_room():
     """A quota bounds fairness under pressure: with free host room an over-quota branch's evicted
-    leaves are kept there (not trimmed); with a full host tier they never displace another entry."""
-    for host, kept in ((4096, True), (300, False)):
+    leaves are kept there (not trimmed); with too little free room they never displace another
+    entry (``early``'s copy), they are trimmed."""
+    early = BranchKey(NS, "early", "main")
+    for host, kept in ((4096, True), (700, False)):
         h = Lazy(pool=1024, host=host)
-        h.turn(ids(14, 600), "big")
+        h.turn(ids(15, 500), "early")
+        h.turn(ids(14, 600), "big")  # early is evicted for it: spilled, 500 of the host's tokens
         big = BranchKey(NS, "big", "main")
-        h.cache.quotas[big] = 16
-        for k in range(3):
-            h.turn(ids(410 + k, 500), f"other{k}")
+        assert h.cache.spill.owner_tokens.get(early, 0) >= 500
+        h.cache.quotas[big] = 16  # now over its quota: it goes first
+        h.turn(ids(410, 500), "other0")
         spill = h.cache.spill
-        assert h.resident("big") < 600
+        assert h.resident("big") < 600 and spill.owner_tokens.get(early, 0) >= 500
         if kept:
             assert spill.owner_tokens.get(big, 0) > 0 and h.cache.quota_trimmed_tokens == 0
         else:
             assert spill.counters["spill_skipped_over_quota"] > 0 and h.cache.quota_trimmed_tokens > 0
-            assert spill.owner_tokens.get(big, 0) == 0
+            assert spill.owner_tokens.get(big, 0) == 0 and spill.counters["dropped_tokens"]["room"] == 0
         h.assert_clean()
 
 

@@ -1,8 +1,9 @@
 """Node-granular host spill: what eviction takes from the device pool is copied to host, and a later
 match copies it back (SGLang HiCache's ``write_back`` semantics, on our host tier).
 
-When stock eviction takes a device leaf (memory pressure; never a close, a discard, a quota trim or a
-context edit, which free state nobody should read again), its KV is copied to the host tier as one
+When stock eviction takes a device leaf (memory pressure; never a close, an eager discard or a context
+edit, which free state nobody should read again; an over-quota or DISCARD-advised branch's leaf only
+into free host room, first in line to be dropped), its KV is copied to the host tier as one
 :class:`SpillEntry`, with the node's tokens, namespace and lifecycle state. An entry *hangs from* what
 its tokens continue: the device node that was its parent (``anchor``), or, once that node has been
 evicted too, that node's own entry (``parent``). So the host side is a forest of entries whose roots
@@ -123,7 +124,7 @@ class SpillTier:
             self.counters["spill_failed"] += 1
             logger.info("agentcache: spill of %d tokens failed%s, evicting without a host copy: %s", n,
                         "" if failure is not None else " on another rank", failure)
-            return
+            return False
         key = node.key
         entry = SpillEntry(array("q", key.token_ids[:n]), key.extra_key, key.cache_salt, state, kv, nbytes_of(kv),
                            protected=advice is not None and advice.value == "offload")
@@ -370,7 +371,7 @@ class SpillTier:
 
     def advise(self, branch: BranchKey, action) -> None:
         """A paused ``branch``'s lazy decision (a PauseAction, or None when the pause ends): OFFLOAD
-        protects what is and will be spilled of it, DISCARD keeps it from being spilled."""
+        protects what is and will be spilled of it, DISCARD lets it be spilled only into free room."""
         if action is None:
             self.advice.pop(branch, None)
         else:
