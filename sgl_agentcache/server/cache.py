@@ -160,8 +160,7 @@ class AgentRadixCache(UnifiedRadixCache):
         return self.tree_core.owned_count.get(branch, 0) + self.spill.owner_tokens.get(branch, 0)
 
     def over_quota(self, branch: BranchKey) -> bool:
-        """``branch`` holds more than its quota (the one its own requests set; a branch that never sent
-        one, e.g. a parent charged by forks, gets the session quota)."""
+        """``branch`` holds more than its quota (:meth:`quota_of`), on both tiers."""
         return self.branch_tokens(branch) > self.quota_of(branch)
 
     def quota_of(self, branch: BranchKey) -> int:
@@ -375,10 +374,7 @@ class AgentRadixCache(UnifiedRadixCache):
         split there so only its stale tail goes. Returns tokens freed now.
         """
         core = self.tree_core
-        keep, node = set(), core.node_by_id(req.last_node) if req.last_node is not None else core.root_node
-        while node is not core.root_node:
-            keep.add(node)
-            node = node.parent
+        keep = set(core.path_to(core.node_by_id(req.last_node))) if req.last_node is not None else set()
         for node in list(core.owner_index.get(owner, ())):
             if node in keep:
                 continue
@@ -420,12 +416,8 @@ class AgentRadixCache(UnifiedRadixCache):
         """Split the ``fresh`` nodes on the path to ``last_node_id`` at ``boundaries`` (absolute token
         offsets) and call ``stamp(node, start)`` on each created part (``start``: its first token)."""
         core = self.tree_core
-        path, node = [], core.node_by_id(last_node_id)
-        while node is not core.root_node:
-            path.append(node)
-            node = node.parent
         start = 0
-        for node in reversed(path):
+        for node in core.path_to(core.node_by_id(last_node_id)):
             end = start + len(node.key)
             if node in fresh:
                 for boundary in boundaries:

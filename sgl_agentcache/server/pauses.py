@@ -9,17 +9,18 @@ rate of the deployment's profile), so every rank takes the same decision. Transf
 measured here; they enter decisions only as figures relayed back through the messages (rank 0's, see
 :meth:`PauseBook.measured`), never as each rank's own clock readings.
 
-Two modes (``AGENTCACHE_PAUSE_MODE``). **Lazy**, the default while the node spill runs or there is no host tier: the decision
-is advice and nothing moves at the pause. The branch stays ranked as before; what eviction later takes
-of it is spilled to host and kept there ahead of other host entries (OFFLOAD), spilled like any evicted
-node (KEEP), or spilled only into free host room and dropped first (DISCARD). Its next request loads back what was spilled; a prefetch loads
-it earlier; RELEASE (deadline) frees it on every tier at once. Nothing is pinned, so the ``max_kept_*``
-caps have nothing to bound. Measured on the replay suite, moving or pinning at the pause recomputed
-more than it saved, because a pause rarely coincides with the moment memory is needed.
+Two modes (``AGENTCACHE_PAUSE_MODE``). **Lazy**, the default while the node spill runs or there is no
+host tier: the decision is advice and nothing moves at the pause. The branch stays ranked as before;
+what eviction later takes of it is spilled to host and kept there ahead of other host entries
+(OFFLOAD), spilled like any evicted node (KEEP), or spilled only into free host room and dropped
+first (DISCARD). Its next request loads back what was spilled; a prefetch loads it earlier; RELEASE
+(deadline) frees it on every tier at once. Nothing is pinned, so the ``max_kept_*`` caps have
+nothing to bound. Measured on the replay suite, moving or pinning at the pause recomputed more than it
+saved, because a pause rarely coincides with the moment memory is needed.
 
-**Eager** (``AGENTCACHE_PAUSE_MODE=eager``, or the node spill off): the decision is carried out at once,
-on the branch's *movable suffix* -- the chain of device nodes it owns at the end of its path that
-nothing else holds (unlocked, no other device children; never the shared prefix):
+**Eager** (``AGENTCACHE_PAUSE_MODE=eager``, or the node spill off beside a host tier): the decision is
+carried out at once, on the branch's *movable suffix* -- the chain of device nodes it owns at the end
+of its path that nothing else holds (unlocked, no other device children; never the shared prefix):
 
 - KEEP: the branch is pinned: its nodes rank above every unpinned node for eviction, until resume,
   deadline or close. Pins are capped per namespace (branches and tokens); over the cap KEEP degrades
@@ -353,8 +354,8 @@ class PauseBook:
         """Lazy mode: record the decision as advice, move nothing. The branch's KV stays where it is,
         ranked as before; what eviction later takes of it is spilled to host and kept there ahead of
         other host entries (OFFLOAD), spilled as usual (KEEP), or only into free host room, dropped
-        first (DISCARD: not worth displacing anything). Its next request loads back what was spilled when it is matched; a prefetch
-        loads it back earlier. Nothing is pinned: measured on the replay suite, moving or pinning at
+        first (DISCARD: not worth displacing anything). Its next request loads back what was spilled
+        when it is matched; a prefetch loads it back earlier. Nothing is pinned: measured on the replay suite, moving or pinning at
         the pause cost more recompute than it saved (module docstring)."""
         tip = self._tip(branch)
         tokens = sum(len(n.key) for n in self.movable_suffix(branch))
@@ -373,14 +374,10 @@ class PauseBook:
 
     def _path_of(self, node) -> tuple:
         """(tokens, extra_key, cache_salt) of the path from the root to the end of ``node``."""
-        core, parts = self.cache.tree_core, []
-        while node is not core.root_node:
-            parts.append(node.key)
-            node = node.parent
-        tokens = array("q")
-        for key in reversed(parts):
-            tokens.extend(_key_tokens(key))
-        return tokens, parts[0].extra_key, parts[0].cache_salt
+        path, tokens = self.cache.tree_core.path_to(node), array("q")
+        for part in path:
+            tokens.extend(_key_tokens(part.key))
+        return tokens, path[0].key.extra_key, path[0].key.cache_salt
 
     def _cap(self, name: str, caps: dict | None) -> int:
         """A server-wide cap, lowered (never raised) by a tenant's ceiling of the same name."""
@@ -534,12 +531,7 @@ class PauseBook:
         if not chain:
             return 0
         copied = self._lead_in(chain) + chain
-        core = self.cache.tree_core
-        path, node = [], chain[-1]
-        while node is not core.root_node:
-            path.append(node)
-            node = node.parent
-        path.reverse()
+        path = self.cache.tree_core.path_to(chain[-1])
         tokens, segments, offset = array("q"), [], 0
         first = path.index(copied[0])
         for i, node in enumerate(path):

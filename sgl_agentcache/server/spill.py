@@ -95,19 +95,19 @@ class SpillTier:
 
     # ---- device -> host ----
 
-    def spill(self, node, force: bool = False, low_value: bool = False) -> bool:
+    def spill(self, node, low_value: bool = False) -> bool:
         """Stock eviction is about to take device leaf ``node``: copy it to host if there is room; True
         when it did. Terminated nodes (their branch ended) are never kept. A low-value node (its branch is
         over its quota, ``low_value``, or was advised DISCARD at a pause) goes only into free host room,
         never displacing another entry, and is the first entry dropped for room later: a quota is a
-        fairness bound under pressure, not a cap while memory is free. ``force``: spill it as any other
-        node (other branches' spilled entries hang from it and would be orphaned)."""
+        fairness bound under pressure, not a cap while memory is free. A node other entries hang from is
+        spilled as any other (they would be orphaned)."""
         state = node.agent
         if not self.enabled or state.terminated:
             return False
         advice = self.advice.get(state.owner) if self.advice and state.owner is not None else None
         discard = advice is not None and advice.value == "discard"
-        low_value = (low_value or discard) and not force and node not in self.by_anchor
+        low_value = (low_value or discard) and node not in self.by_anchor
         n = len(node.key)
         if low_value and n > self.host.free_tokens():
             self.counters["spill_skipped_discard" if discard else "spill_skipped_over_quota"] += 1

@@ -239,6 +239,15 @@ class AgentTreeCore(UnifiedTreeCore):
         full = ComponentType.FULL
         return sum(len(n.key) for n in self.owner_index.get(branch, ()) if n.component_data[full].value is not None)
 
+    def path_to(self, node: UnifiedTreeNode) -> list[UnifiedTreeNode]:
+        """The nodes from the root's child down to ``node`` (empty for the root itself)."""
+        path = []
+        while node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
     def depth(self, node: UnifiedTreeNode) -> int:
         """Token offset at which ``node``'s key starts (the sum of its ancestors' key lengths)."""
         depth, node = 0, node.parent
