@@ -247,3 +247,50 @@ def test_an_over_quota_leaf_is_still_spilled_when_other_branches_copies_hang_fro
     assert spill.owner_tokens.get(worker, 0) >= 200 and spill.counters["dropped_tokens"]["orphaned"] == 0
     assert h.turn(lead + [7] + ids(13, 200) + [7, 9], "L", branch="w") >= 500  # the fork resumes from host
     h.assert_clean()
+
+
+def test_an_over_quota_branch_advised_offload_is_spilled_low_value_and_then_not_over_quota():
+    """OFFLOAD advice does not protect what a branch spills over its quota (it stays first in line),
+    and those low-value entries do not count toward the quota: once its device KV is gone the branch
+    is no longer over quota, so its later KV is not the first to go."""
+    h = Lazy(pool=1024, host=4096)
+    h.turn(ids(16, 600), "big")
+    big = BranchKey(NS, "big", "main")
+    assert h.pause("big", LONG, tool_class="ci_run")["action"] == "offload"
+    h.cache.quotas[big] = 16
+    for k in range(2):
+        h.turn(ids(420 + k, 500), f"other{k}")
+    spill = h.cache.spill
+    mine = set(spill.by_owner.get(big, ()))
+    assert mine and all(e.low_value and not e.protected for e in mine)
+    assert spill.owner_tokens[big] >= 600 and spill.charged_tokens.get(big, 0) == 0
+    assert h.resident("big") == 0 and not h.cache.over_quota(big)
+    assert next(iter(spill.lru)).state.owner == big and spill.protected_tokens == 0
+    spill.advise(big, PauseAction.OFFLOAD)  # advice given again still leaves them first in line
+    assert not any(e.protected for e in mine) and spill.protected_tokens == 0
+    assert h.turn(ids(16, 600) + [7, 9], "big") >= 600  # free room kept them: the resume loads them back
+    h.assert_clean()
+
+
+def test_a_prefetch_is_judged_by_its_own_path_not_by_the_branchs_other_resident_tokens():
+    """A prefetched tail evicted again before the resume is a wasted prefetch, even though the branch
+    still has as many other tokens on the device as the prefetch brought."""
+    h = Lazy(pool=1024, host=4096)
+    head, tail = ids(20, 400), ids(21, 200)
+    h.turn(head, "a")
+    h.turn(head + [7] + tail, "a")  # two nodes: head (kept below) and tail (the leaf eviction takes)
+    a = BranchKey(NS, "a", "main")
+    pauses = h.cache.pauses
+    pauses.settings.prefetch_budget_tokens = 1024
+    assert h.pause("a", LONG, tool_class="ci_run")["action"] == "offload"
+    with h.driver.activated():
+        h.cache.evict(EvictParams(num_tokens=len(tail)))
+    assert h.resident("a") == len(head)
+    with h.driver.activated():
+        got = pauses.prefetch_branch(a)
+        assert got["prefetched"] and got["restored_tokens"] >= len(tail), got
+        h.cache.evict(EvictParams(num_tokens=len(tail)))  # gone again before the tool returns
+    assert h.resident("a") >= got["restored_tokens"]  # the old, biased rule would call it used
+    assert h.turn(head + [7] + tail + [7, 9], "a") >= len(head) + len(tail)  # loaded back at the resume
+    assert pauses.prefetch["wasted"] == 1 and pauses.prefetch["used"] == 0
+    h.assert_clean()

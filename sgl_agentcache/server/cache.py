@@ -156,8 +156,9 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def branch_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is
-        not counted: it is bounded by the pause caps, and a write-through copy duplicates device nodes."""
-        return self.tree_core.owned_count.get(branch, 0) + self.spill.owner_tokens.get(branch, 0)
+        not counted: it is bounded by the pause caps, and a write-through copy duplicates device nodes.
+        Nor are its low-value spilled entries (spilled over quota into free room, first to go)."""
+        return self.tree_core.owned_count.get(branch, 0) + self.spill.charged_tokens.get(branch, 0)
 
     def over_quota(self, branch: BranchKey) -> bool:
         """``branch`` holds more than its quota (:meth:`quota_of`), on both tiers."""
@@ -296,6 +297,12 @@ class AgentRadixCache(UnifiedRadixCache):
         if len(loose):
             self.token_to_kv_pool_allocator.free(loose)
         return len(loose)
+
+    def resident_prefix_len(self, key) -> int:
+        """How much of ``key`` matches on the device now (a stock match: nothing is loaded back)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        return super().match_prefix(MatchPrefixParams(key=key)).device_prefix_len
 
     def load_spilled(self, key, *, evict: bool) -> int:
         """Load spilled nodes continuing ``key`` now, ahead of its request (a prefetch); with

@@ -152,6 +152,7 @@ class PauseRecord:
     resuming: bool = False  # the branch's request arrived; its host copy waits for the request's match
     advice: PauseAction | None = None  # lazy mode: the decision, carried out by eviction and the host tier
     path: tuple | None = None  # lazy mode: (tokens, extra_key, cache_salt) of the branch's path (prefetch)
+    prefetch_end: int = 0  # lazy mode: the path's device match right after its prefetch
 
 
 def _key_tokens(key) -> array:
@@ -464,8 +465,7 @@ class PauseBook:
         for branch, entry in entries:
             n = entry.start - depth  # a copy's lead-in may hold the node's tail (or all of it) already
             if n > 0:
-                quota = cache.quotas.get(branch, cache.branch_quota_tokens)
-                if core.owned_tokens(branch) + entry.num_tokens + n > quota:
+                if cache.branch_tokens(branch) + entry.num_tokens + n > cache.quota_of(branch):
                     self.counters["anchor_spill_refused"]["quota"] += 1
                     continue
                 if not self.host.has_room(n):  # checked before copying: a refused spill copies nothing
@@ -811,7 +811,9 @@ class PauseBook:
             from sglang.srt.mem_cache.radix_cache import RadixKey
 
             tokens, extra_key, salt = record.path
-            restored = self.cache.load_spilled(RadixKey(array("q", tokens), extra_key, cache_salt=salt), evict=False)
+            key = RadixKey(array("q", tokens), extra_key, cache_salt=salt)
+            restored = self.cache.load_spilled(key, evict=False)
+            record.prefetch_end = self.cache.resident_prefix_len(key)
         else:
             restored = self._restore(branch, keep_host=True)
             if branch not in self.host.entries:
@@ -821,6 +823,18 @@ class PauseBook:
         self.prefetch["issued"] += 1
         self.prefetch["tokens_prefetched"] += restored
         return {"prefetched": restored > 0, "restored_tokens": restored}
+
+    def _prefetch_still_resident(self, branch: BranchKey, record: PauseRecord) -> bool:
+        """Lazy mode: the branch's path still matches on the device as far as the prefetch brought it
+        (its other resident tokens do not count). Eager mode: the branch owns at least as many
+        resident tokens as were restored."""
+        if record.prefetch_end:
+            from sglang.srt.mem_cache.radix_cache import RadixKey
+
+            tokens, extra_key, salt = record.path
+            key = RadixKey(array("q", tokens), extra_key, cache_salt=salt)
+            return self.cache.resident_prefix_len(key) >= record.prefetch_end
+        return self.cache.tree_core.resident_owned_tokens(branch) >= record.prefetched_tokens
 
     def _prefetch_enabled(self, ns: str) -> bool:
         outcomes = self._outcomes.get(ns)
@@ -834,7 +848,7 @@ class PauseBook:
 
     def _prefetch_outcome(self, branch: BranchKey, record: PauseRecord, used: bool | None = None) -> None:
         if used is None:  # used iff the prefetched tokens are still on device when the request comes
-            used = self.cache.tree_core.resident_owned_tokens(branch) >= record.prefetched_tokens
+            used = self._prefetch_still_resident(branch, record)
         kind = "used" if used else "wasted"
         self.prefetch[kind] += 1
         self.prefetch[f"tokens_{kind}"] += record.prefetched_tokens
@@ -842,7 +856,7 @@ class PauseBook:
             self.prefetch["saved_transfer_s"] += record.prefetch_seconds
         window = self._outcomes.setdefault(branch.namespace, deque(maxlen=self.settings.prefetch_window))
         window.append(used)
-        record.prefetched_tokens = 0
+        record.prefetched_tokens = record.prefetch_end = 0
 
     def expire(self, branch: BranchKey) -> dict:
         """The deadline passed (or the server's maximum retention): release on every tier."""

@@ -66,6 +66,7 @@ class SpillEntry:
     parent: "SpillEntry | None" = None  # the entry it continues, when its anchor was evicted too
     children: list = field(default_factory=list, repr=False)
     protected: bool = False  # its branch is paused with OFFLOAD advice: dropped for room only after the rest
+    low_value: bool = False  # over quota or DISCARD-advised when spilled: first to go, never protected or charged
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -81,7 +82,8 @@ class SpillTier:
         self.by_anchor: dict[Any, list[SpillEntry]] = {}  # device node -> entries hanging from it
         self.lru: OrderedDict[SpillEntry, None] = OrderedDict()  # every entry, least recently used first
         self.by_owner: dict[BranchKey, set[SpillEntry]] = {}
-        self.owner_tokens: dict[BranchKey, int] = {}  # host tokens per owner (they count toward its quota)
+        self.owner_tokens: dict[BranchKey, int] = {}  # host tokens per owner
+        self.charged_tokens: dict[BranchKey, int] = {}  # the part of them that counts toward its quota
         self.advice: dict[BranchKey, Any] = {}  # paused branches' lazy pause decisions (PauseBook._advise)
         self.protected_tokens = 0
         self.tokens = 0
@@ -97,17 +99,23 @@ class SpillTier:
 
     def spill(self, node, low_value: bool = False) -> bool:
         """Stock eviction is about to take device leaf ``node``: copy it to host if there is room; True
-        when it did. Terminated nodes (their branch ended) are never kept. A low-value node (its branch is
-        over its quota, ``low_value``, or was advised DISCARD at a pause) goes only into free host room,
-        never displacing another entry, and is the first entry dropped for room later: a quota is a
-        fairness bound under pressure, not a cap while memory is free. A node other entries hang from is
-        spilled as any other (they would be orphaned)."""
+        when it did. Terminated nodes (their branch ended) are never kept.
+
+        A low-value node (its branch is over its quota, ``low_value``, or was advised DISCARD at a pause)
+        goes only into free host room, never displacing another entry; its entry is the first dropped
+        for room later, is never protected, and does not count toward the branch's quota (so a branch
+        spilled into free room is not held over quota by it): a quota is a fairness bound under
+        pressure, not a cap while memory is free. A low-value node that ordinary entries hang from (they
+        would be orphaned without it) is spilled as an ordinary one; one that only low-value entries
+        hang from stays low-value."""
         state = node.agent
         if not self.enabled or state.terminated:
             return False
         advice = self.advice.get(state.owner) if self.advice and state.owner is not None else None
         discard = advice is not None and advice.value == "discard"
-        low_value = (low_value or discard) and node not in self.by_anchor
+        low_value = low_value or discard
+        if low_value and node in self.by_anchor:
+            low_value = all(e.low_value for e in self._hanging_below(node))  # else spilled for what hangs below
         n = len(node.key)
         if low_value and n > self.host.free_tokens():
             self.counters["spill_skipped_discard" if discard else "spill_skipped_over_quota"] += 1
@@ -127,7 +135,8 @@ class SpillTier:
             return False
         key = node.key
         entry = SpillEntry(array("q", key.token_ids[:n]), key.extra_key, key.cache_salt, state, kv, nbytes_of(kv),
-                           protected=advice is not None and advice.value == "offload")
+                           protected=advice is not None and advice.value == "offload" and not low_value,
+                           low_value=low_value)
         self._hang(entry, anchor=node.parent)
         self._add(entry)
         if low_value:
@@ -136,6 +145,15 @@ class SpillTier:
         self.counters["spills"] += 1
         self.counters["spilled_tokens"] += n
         return True
+
+    def _hanging_below(self, node) -> list[SpillEntry]:
+        """Every entry that continues device node ``node`` (hangs from it, or from such an entry)."""
+        stack, found = list(self.by_anchor.get(node, ())), []
+        while stack:
+            entry = stack.pop()
+            found.append(entry)
+            stack.extend(entry.children)
+        return found
 
     def on_node_removed(self, node) -> None:
         """``node`` left the tree (tree-core hook). What hung from it hangs from its new entry if it was
@@ -302,6 +320,8 @@ class SpillTier:
         if owner is not None:
             self.by_owner.setdefault(owner, set()).add(entry)
             self.owner_tokens[owner] = self.owner_tokens.get(owner, 0) + len(entry)
+            if not entry.low_value:
+                self.charged_tokens[owner] = self.charged_tokens.get(owner, 0) + len(entry)
         self.tokens += len(entry)
         if entry.protected:
             self.protected_tokens += len(entry)
@@ -312,11 +332,9 @@ class SpillTier:
         del self.lru[entry]
         owner = entry.state.owner
         if owner is not None:
-            left = self.owner_tokens.get(owner, 0) - len(entry)
-            if left > 0:
-                self.owner_tokens[owner] = left
-            else:
-                self.owner_tokens.pop(owner, None)
+            _take(self.owner_tokens, owner, len(entry))
+            if not entry.low_value:
+                _take(self.charged_tokens, owner, len(entry))
             mine = self.by_owner.get(owner)
             if mine is not None:
                 mine.discard(entry)
@@ -378,9 +396,10 @@ class SpillTier:
             self.advice[branch] = action
         protect = action is not None and action.value == "offload"
         for entry in self.by_owner.get(branch, ()):
-            if entry.protected != protect:
-                entry.protected = protect
-                self.protected_tokens += len(entry) if protect else -len(entry)
+            wanted = protect and not entry.low_value  # a low-value entry stays first in line
+            if entry.protected != wanted:
+                entry.protected = wanted
+                self.protected_tokens += len(entry) if wanted else -len(entry)
 
     def droppable_tokens(self) -> int:
         """Host tokens that room can be made from (spilled, not protected)."""
@@ -409,6 +428,14 @@ class SpillTier:
         return {"enabled": self.enabled, "entries": len(self.lru), "tokens": self.tokens,
                 "protected_tokens": self.protected_tokens, "advised_branches": len(self.advice),
                 "anchors": len(self.by_anchor), **self.counters}
+
+
+def _take(counts: dict, key, n: int) -> None:
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _common(entry_tokens: array, key: RadixKey, offset: int) -> int:
