@@ -32,6 +32,10 @@ Payload fields (a JSON object of at most :data:`MAX_PAYLOAD_BYTES` bytes; unknow
     Ignored together with ``close``.
 ``prefetch``
     Reserved: validated, not acted on (use ``POST /agentcache/prefetch`` when a tool is nearly done).
+``inferred``
+    Set only by the server, on a hint it inferred from a plain chat request (``AGENTCACHE_INFER=chat``,
+    see :mod:`sgl_agentcache.chat_infer`); a client sending it gets a 400. An inferred fork whose parent
+    the scheduler does not know (any more) runs as a branch of its own instead of being refused.
 
 How the cache uses a hint: prompt tokens ``[0, stable_prefix_tokens)`` are classed STABLE; for a fork,
 ``[stable_prefix_tokens, fork_point_tokens)`` is the parent's SESSION history and the rest is the
@@ -114,6 +118,8 @@ class LifecycleHint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     deadline_ms: _DeadlineMs | None = None
     priority: _Priority | None = None
     prefetch: bool = False
+    # Set by the server only, on a hint it inferred from a chat request (chat_infer.py); refused from clients.
+    inferred: bool = False
 
     def __post_init__(self) -> None:
         """Cross-field rules (msgspec surfaces these as a ValidationError carrying this message)."""

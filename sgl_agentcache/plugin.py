@@ -29,10 +29,11 @@ def register() -> None:
     control.install()
     admission.install()
     if multiprocessing.parent_process() is None:
-        from sgl_agentcache.server import http, ingress, topology
+        from sgl_agentcache.server import chat_hooks, http, ingress, topology
 
         topology.install()
         http.install()
         ingress.install()
+        chat_hooks.install()
     _registered = True
     logger.info("sgl_agentcache: registered radix-cache backend %r", BACKEND_NAME)

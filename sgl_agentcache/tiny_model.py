@@ -19,8 +19,16 @@ from pathlib import Path
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+# Plain messages render as "<s>role: content</s>"; with ``tools`` the schema joins the system block (as
+# in Qwen/Hermes-style templates), and an assistant's tool calls render after its content, so chat
+# clients that use tools get real, distinct prompts (the chat inference tests need both).
 _CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if tools %}<s>system: {% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }} "
+    "{% endif %}tools: {{ tools | tojson }}</s>{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "<s>{{ m['role'] }}: {{ m['content'] if m['content'] is not none else '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "</s>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
 )
 # Enough distinct text for a few hundred merges; agent vocabulary so demo prompts tokenise compactly.

@@ -393,7 +393,7 @@ def test_largest_valid_payload_is_under_the_limit():
     payload = {"session": "s" * 128, "branch": "b" * 128, "parent_branch": "p" * 128,
                "stable_prefix_tokens": MAX_TOKENS_FIELD, "fork_point_tokens": MAX_TOKENS_FIELD,
                "close": False, "edit_from_tokens": MAX_TOKENS_FIELD, "tool_class": "t" * 64,
-               "deadline_ms": 86_400_000, "priority": -100, "prefetch": False}
+               "deadline_ms": 86_400_000, "priority": -100, "prefetch": False, "inferred": False}
     assert set(payload) == set(LifecycleHint.__struct_fields__), "a new hint field needs its longest value here"
     assert parse_payload(payload).session == "s" * 128
     assert len(json.dumps(payload, ensure_ascii=True)) < MAX_PAYLOAD_BYTES // 2

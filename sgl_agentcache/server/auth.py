@@ -253,11 +253,13 @@ def check_session(identity: Identity | None, session: str, path: str) -> None:
         raise
 
 
-def bind_generate(obj, request=None) -> None:
+def bind_generate(obj, request=None, inferred: bool = False) -> None:
     """Bind a generation request to its tenant's namespace, check and clip its lifecycle hints.
 
     Runs after hint validation (a malformed hint is a 400 first). Raises :class:`CredentialError`
-    (401/403 through SGLang's error response) and changes nothing when a credential is refused.
+    (401/403 through SGLang's error response) and changes nothing when a credential is refused. A hint
+    the server ``inferred`` from a chat request needs no session credential: the server named the
+    session, inside the caller's namespace.
     """
     if tenancy is None:
         return
@@ -275,7 +277,7 @@ def bind_generate(obj, request=None) -> None:
         envelopes = hints if isinstance(hints, list) else [hints]
         parsed = [(e, find_lifecycle_hint(e)) for e in envelopes]
         for _, hint in parsed:  # check every credential before changing anything
-            if hint is not None:
+            if hint is not None and not inferred:
                 check_session(identity, hint.session, path)
         rewritten = [_clip_envelope(e, hint, identity, path) if hint is not None else e for e, hint in parsed]
         obj.kv_hints = rewritten if isinstance(hints, list) else rewritten[0]

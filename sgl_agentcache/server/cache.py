@@ -32,6 +32,7 @@ import os
 from collections import OrderedDict
 from contextlib import contextmanager
 
+import msgspec
 import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -111,6 +112,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.freed_on_close_tokens = 0
         self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
         self.invalid_hints = 0
+        self.inferred_orphans = 0  # inferred forks run without their parent (it was unknown or closed)
         self.context_edit_freed_tokens = 0
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
@@ -207,8 +209,14 @@ class AgentRadixCache(UnifiedRadixCache):
         # lead closed (what it inherited from the parent is born terminated, see _plan).
         if plan.parent is not None and plan.own.owner not in self.seen:
             refusal = parent_refusal(plan.parent.owner, self.seen, self.closed)
-            if refusal is not None:
+            if refusal is not None and not req.agentcache_hint.inferred:
                 return refusal
+            if refusal is not None:  # the server guessed the fork: run it as a branch of its own
+                self.inferred_orphans += 1
+                req.agentcache_hint = msgspec.structs.replace(req.agentcache_hint, parent_branch=None,
+                                                              fork_point_tokens=None)
+                plan = req.agentcache_plan = insert_plan(req.agentcache_hint, namespace_of(req), self.closed)
+                self.quotas[plan.own.owner] = self.quota_for(plan)
         # Host copies come back when the scheduler matches the request for a batch (match_prefix), not
         # now: a request can wait in the queue for many steps, and KV restored at arrival sits unlocked
         # meanwhile, in the pool the running batch is evicting from.
@@ -647,6 +655,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "quota_trimmed_tokens": self.quota_trimmed_tokens,
             "over_quota_branches": sum(self.over_quota(b) for b in core.owner_index),
             "invalid_hints": self.invalid_hints,
+            "inferred_orphans": self.inferred_orphans,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),
@@ -689,6 +698,7 @@ def agentcache_factory(ctx):
     from sgl_agentcache.server.topology import UnsupportedTopology, refusal
 
     check_pinned_internals()
+    _check_chat_inference_settings()
     if ctx.disable_radix_cache:
         logger.info("agentcache: --disable-radix-cache is set; deferring to SGLang's default cache chain")
         return registry.default_radix_cache_factory(ctx)
@@ -700,6 +710,19 @@ def agentcache_factory(ctx):
         raise UnsupportedTopology(reason)
     ctx.params.tree_core_backend = BACKEND_NAME
     return registry.create_unified_radix_cache(ctx, cache_class=AgentRadixCache)
+
+
+def _check_chat_inference_settings() -> None:
+    """A bad ``AGENTCACHE_INFER*`` setting or changed chat internals stop start-up here: the HTTP
+    process's plugin hook that reads them can only log (SGLang logs plugin errors and goes on)."""
+    from sgl_agentcache.chat_infer import idle_seconds, infer_mode
+    from sgl_agentcache.server.pins import check_pinned_internals
+
+    if infer_mode() == "chat":
+        from sgl_agentcache.server.chat_hooks import CHAT_PINS
+
+        idle_seconds()
+        check_pinned_internals(CHAT_PINS)
 
 
 def agent_tree_core_factory(params, components) -> AgentTreeCore:

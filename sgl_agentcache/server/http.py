@@ -18,7 +18,7 @@ from sgl_agentcache import BACKEND_NAME, __version__
 from sgl_agentcache.hints import (BranchRef, HintError, PauseRef, PrefetchRef, SessionOpen, SessionRef, TenantRef,
                                   parse_route_body)
 from sgl_agentcache.lifecycle import namespace_key
-from sgl_agentcache.server import auth
+from sgl_agentcache.server import auth, chat_hooks
 from sgl_agentcache.server.control import call_schedulers
 from sgl_agentcache.server.coordinator import PauseCoordinator
 from sgl_agentcache.tenancy import Ceilings, CredentialError, Identity
@@ -87,7 +87,8 @@ async def stats(request: Request) -> JSONResponse:
         return await _forward("stats", {"namespace": namespace}, extra={
             "tenant": identity.tenant, "ceilings": msgspec.to_builtins(auth.ceilings_for(identity)),
             "coordinator": coordinator.stats(namespace)})
-    extra = {"backend": BACKEND_NAME, "version": __version__, "coordinator": coordinator.stats()}
+    extra = {"backend": BACKEND_NAME, "version": __version__, "coordinator": coordinator.stats(),
+             "chat_inference": chat_hooks.stats()}
     if auth.tenancy is not None:
         extra["trust"] = auth.trust.stats()
     return await _forward("stats", extra=extra)
@@ -217,6 +218,7 @@ async def purge(request: Request) -> JSONResponse:
         return JSONResponse({"error": f"unknown tenant {ref.tenant!r} (nothing changed)"}, status_code=404)
     salt = auth.tenancy.salt(ref.tenant)
     dropped = coordinator.purge(namespace_key(None, salt))
+    chat_hooks.forget_namespace(namespace_key(None, salt))
     response = await _forward("purge", {"cache_salt": salt}, extra={"tenant": ref.tenant, "pauses_dropped": dropped})
     auth.trust.record("purged", ref.tenant, status=response.status_code)
     return response

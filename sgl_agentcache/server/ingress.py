@@ -53,8 +53,9 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
-def validate_request_hints(obj) -> None:
-    """Raise ``ValueError`` (-> HTTP 400) if a lifecycle hint of ``obj`` is malformed or out of range.
+def validate_request_hints(obj, inferred: bool = False) -> None:
+    """Raise ``ValueError`` (-> HTTP 400) if a lifecycle hint of ``obj`` is malformed or out of range,
+    or claims to be ``inferred`` when the server did not infer it (``inferred``).
 
     A batch either carries one envelope per prompt or one envelope for all of them; in the second case
     the hint is checked against every prompt.
@@ -70,6 +71,8 @@ def validate_request_hints(obj) -> None:
             hint = find_lifecycle_hint(envelope)
         except HintError as exc:
             raise ValueError(f"invalid kv_hints: {exc}") from None
+        if hint is not None and hint.inferred and not inferred:
+            raise ValueError("invalid kv_hints: `inferred` is set by the server only")
         if hint is None or ids is None:
             continue  # text prompts: boundaries past the prompt are clipped by the scheduler
         for name in ("stable_prefix_tokens", "fork_point_tokens", "edit_from_tokens"):
@@ -139,10 +142,14 @@ def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
     if vocab is not None:
         path = getattr(getattr(request, "url", None), "path", None)
         check_prompt_ids(getattr(obj, "input_ids", None), vocab, _IDS_FIELD.get(path, "input_ids"))
+    inferred = False
     if getattr(obj, "kv_hints", None):
-        validate_request_hints(obj)
+        from sgl_agentcache.server import chat_hooks
+
+        inferred = chat_hooks.claim_inferred(obj)
+        validate_request_hints(obj, inferred)
     # With tenancy: the tenant's namespace replaces the client's, credentials are checked, hints clipped.
-    auth.bind_generate(obj, request)
+    auth.bind_generate(obj, request, inferred=inferred)
     queue_priority(tokenizer_manager, obj, request)
     if getattr(obj, "kv_hints", None):
         _note_resumes(obj)
@@ -247,6 +254,10 @@ def _after_convert_to_internal_request(result, serving, request, raw_request=Non
     _refuse_admin_generation(raw_request)
     values = raw_request.headers.getlist(HINT_HEADER) if raw_request is not None else []
     if not values:
+        from sgl_agentcache.server import chat_hooks
+
+        if chat_hooks.enabled() and type(serving).__name__ == "OpenAIServingChat":
+            chat_hooks.infer(result[0], serving, request, raw_request)  # an explicit hint always wins
         return result
     if len(values) > 1:
         raise ValueError(f"invalid {HINT_HEADER} header: sent {len(values)} times; send one hint")
@@ -256,6 +267,8 @@ def _after_convert_to_internal_request(result, serving, request, raw_request=Non
         hint = parse_header(value)
     except HintError as exc:
         raise ValueError(f"invalid {HINT_HEADER} header: {exc}") from None
+    if hint.inferred:
+        raise ValueError(f"invalid {HINT_HEADER} header: `inferred` is set by the server only")
     _check_header_credential(hint, raw_request)
     fields = {f: getattr(hint, f) for f in hint.__struct_fields__}
     adapted.kv_hints = lifecycle_envelope(fields, message_id=uuid.uuid4().hex)

@@ -1,0 +1,178 @@
+"""Chat inference rules (pure): session identity, continuation, forks, independent conversations,
+idle closes and bounds. The server wiring is tested in test_chat_infer_server.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_agentcache.chat_infer import ChatInference, ChatTurn, canonical_message, idle_seconds, infer_mode
+
+NS = "ns"
+SYSTEM = {"role": "system", "content": "you are a coding agent"}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def call(name, args='{"path": "src"}', call_id="c1"):
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]}
+
+
+def result(text, call_id="c1"):
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def turn(messages, **ids):
+    return ChatTurn.from_messages(messages, **ids)
+
+
+def test_session_identity_prefers_explicit_keys_and_otherwise_hashes_the_opening():
+    msgs = [SYSTEM, user("fix the bug")]
+    assert turn(msgs, prompt_cache_key="k1").session.startswith("k-")
+    assert turn(msgs, safety_identifier="s1", user="u1").session.startswith("s-")
+    assert turn(msgs, user="u1").session.startswith("u-")
+    opened = turn(msgs)
+    assert opened.source == "conversation" and opened.session.startswith("c-")
+    assert turn(msgs + [call("grep"), result("found")]).session == opened.session  # same conversation
+    assert turn([SYSTEM, user("another task")]).session != opened.session
+    assert "k1" not in turn(msgs, prompt_cache_key="k1").session  # client strings never reach the tree
+
+
+def test_canonical_form_ignores_how_a_client_serialized_arguments_and_empty_content():
+    a = call("run", args='{"b": 1, "a": 2}')
+    b = call("run", args={"a": 2, "b": 1})
+    b["content"] = ""
+    assert canonical_message(a) == canonical_message(b)
+    assert canonical_message(call("run")) != canonical_message(call("build"))
+
+
+def test_a_tool_result_continues_the_branch_and_the_next_turn_too():
+    inf = ChatInference()
+    first, _ = inf.assign(NS, turn([SYSTEM, user("go")]), now=0)
+    assert first.branch.startswith("m") and first.parent is None and not first.continued
+    inf.done(NS, first.session, first.branch, now=1)
+    second, _ = inf.assign(NS, turn([SYSTEM, user("go"), call("grep"), result("x")]), now=2)
+    assert (second.branch, second.continued) == (first.branch, True)
+    inf.done(NS, second.session, second.branch, now=3)
+    third, _ = inf.assign(NS, turn([SYSTEM, user("go"), call("grep"), result("x"), {"role": "assistant",
+                                                                                  "content": "done"},
+                                    user("thanks")]), now=4)
+    assert third.branch == first.branch and inf.counters["forks"] == 0
+
+
+def test_concurrent_requests_sharing_history_are_forks_of_the_lead():
+    inf = ChatInference()
+    history = [SYSTEM, user("plan"), call("spawn"), result("three tasks")]
+    lead, _ = inf.assign(NS, turn(history), now=0)
+    inf.done(NS, lead.session, lead.branch, now=1)
+    # Three subagents start from the lead's history at once (each with its own task).
+    subs = [inf.assign(NS, turn(history + [user(f"task {i}")]), now=2)[0] for i in range(3)]
+    assert subs[0].branch == lead.branch and subs[0].continued  # the first simply continues the lead
+    assert all(s.parent == lead.branch and s.shared_messages == len(history) for s in subs[1:])
+    assert len({s.branch for s in subs}) == 3
+    # A subagent's own next request continues its own branch.
+    inf.done(NS, subs[1].session, subs[1].branch, now=3)
+    again, _ = inf.assign(NS, turn(history + [user("task 1"), call("grep"), result("y")]), now=4)
+    assert again.branch == subs[1].branch and again.continued
+
+
+def test_a_divergent_rewrite_is_a_fork_and_an_unrelated_chat_under_one_key_is_its_own_branch():
+    inf = ChatInference()
+    a, _ = inf.assign(NS, turn([SYSTEM, user("task"), call("read"), result("big file")], prompt_cache_key="k"), 0)
+    inf.done(NS, a.session, a.branch, 1)
+    edited, _ = inf.assign(NS, turn([SYSTEM, user("task"), user("summary of the file")], prompt_cache_key="k"), 2)
+    assert edited.parent == a.branch and edited.shared_messages == 2
+    other, _ = inf.assign(NS, turn([SYSTEM, user("unrelated")], prompt_cache_key="k"), 3)
+    assert other.session == a.session and other.parent is None and other.branch not in (a.branch, edited.branch)
+
+
+def test_idle_branches_close_unless_busy_and_names_are_never_reused():
+    inf = ChatInference(idle_s=10)
+    a, _ = inf.assign(NS, turn([SYSTEM, user("a")]), now=0)
+    b, _ = inf.assign(NS, turn([SYSTEM, user("b")]), now=0)
+    inf.done(NS, a.session, a.branch, now=1)
+    assert inf.idle(now=5) == []
+    assert inf.idle(now=11) == [(NS, a.session, a.branch)]  # b is still in flight
+    inf.done(NS, b.session, b.branch, now=12)
+    assert inf.idle(now=30, busy=[(NS, b.session, b.branch)]) == []  # paused on a tool
+    assert inf.idle(now=30) == [(NS, b.session, b.branch)]
+    assert not inf.sessions and inf.fingerprint_count == 0
+    again, _ = inf.assign(NS, turn([SYSTEM, user("a")]), now=40)
+    assert again.branch not in (a.branch, b.branch)  # a closed branch never receives tokens again
+
+
+def test_bounds_forget_least_recently_used_idle_state():
+    inf = ChatInference(max_sessions=2, max_branches=2, max_fingerprints=100)
+    first, _ = inf.assign(NS, turn([SYSTEM, user("1")]), 0)
+    inf.done(NS, first.session, first.branch, 1)
+    inf.assign(NS, turn([SYSTEM, user("2")]), 2)
+    _, forgotten = inf.assign(NS, turn([SYSTEM, user("3")]), 3)
+    assert forgotten == [(NS, first.session, first.branch)] and len(inf.sessions) == 2
+    lead, _ = inf.assign("other", turn([SYSTEM, user("x")], user="u"), 4)
+    inf.done("other", lead.session, lead.branch, 5)
+    inf.assign("other", turn([SYSTEM, user("y")], user="u"), 6)
+    inf.done("other", lead.session, lead.branch, 7)
+    branches = inf.sessions[("other", lead.session)].branches
+    assert len(branches) <= 2
+    before = inf.fingerprint_count
+    assert before == sum(len(b.fingerprints) for s in inf.sessions.values() for b in s.branches.values())
+
+
+def test_namespaces_never_share_inferred_state():
+    inf = ChatInference()
+    msgs = [SYSTEM, user("same chat")]
+    a, _ = inf.assign("tenant-a", turn(msgs), 0)
+    b, _ = inf.assign("tenant-b", turn(msgs), 0)
+    assert a.session == b.session and a.parent is None and b.parent is None  # same id, separate namespaces
+    assert ("tenant-a", a.session) in inf.sessions and ("tenant-b", b.session) in inf.sessions
+    inf.forget_namespace("tenant-a")
+    assert ("tenant-a", a.session) not in inf.sessions and ("tenant-b", b.session) in inf.sessions
+
+
+def test_odd_inputs_are_handled(monkeypatch):
+    inf = ChatInference()
+    for messages in ([], [{"role": "tool", "content": "orphan result", "tool_call_id": "nope"}],
+                     [{"role": "assistant"}], [user([{"type": "text", "text": "parts"}, {"type": "image_url"}])],
+                     [call("x", args="not json")]):
+        got, _ = inf.assign(NS, turn(messages), 0)
+        assert got.branch and got.session
+        inf.done(NS, got.session, got.branch, 1)
+    inf.done(NS, "unknown", "m0", 2)  # nothing to do, no error
+    monkeypatch.setenv("AGENTCACHE_INFER", "bogus")
+    with pytest.raises(ValueError, match="AGENTCACHE_INFER"):
+        infer_mode()
+    monkeypatch.setenv("AGENTCACHE_INFER_IDLE_S", "-1")
+    with pytest.raises(ValueError, match="AGENTCACHE_INFER_IDLE_S"):
+        idle_seconds()
+
+
+def test_a_parent_closes_only_after_the_branches_forked_from_it():
+    inf = ChatInference(idle_s=10)
+    history = [SYSTEM, user("plan"), call("spawn"), result("tasks")]
+    lead, _ = inf.assign(NS, turn(history), 0)
+    fork, _ = inf.assign(NS, turn(history + [user("sub")]), 0)  # the lead is still running: a fork
+    assert fork.parent == lead.branch
+    inf.done(NS, lead.session, lead.branch, 1)
+    assert inf.idle(now=20) == []  # the fork is in flight: its parent stays
+    inf.done(NS, fork.session, fork.branch, 21)
+    assert inf.idle(now=40) == [(NS, fork.session, fork.branch), (NS, lead.session, lead.branch)]
+
+
+def test_a_bad_setting_stops_the_scheduler_at_start_and_the_chat_pins_hold(monkeypatch):
+    """The HTTP process can only log a plugin error, so the backend factory checks the settings too;
+    the chat serving internals inference hooks match the installed SGLang."""
+    from sgl_agentcache.server.cache import _check_chat_inference_settings
+    from sgl_agentcache.server.chat_hooks import CHAT_PINS
+    from sgl_agentcache.server.pins import check_pinned_internals
+
+    check_pinned_internals(CHAT_PINS)
+    monkeypatch.setenv("AGENTCACHE_INFER", "chat")
+    _check_chat_inference_settings()
+    monkeypatch.setenv("AGENTCACHE_INFER_IDLE_S", "soon")
+    with pytest.raises(ValueError, match="AGENTCACHE_INFER_IDLE_S"):
+        _check_chat_inference_settings()
+    monkeypatch.setenv("AGENTCACHE_INFER", "chats")
+    with pytest.raises(ValueError, match="AGENTCACHE_INFER"):
+        _check_chat_inference_settings()

@@ -1,0 +1,274 @@
+"""Zero-config lifecycle on a real CPU server: plain OpenAI chat traffic (the official ``openai``
+client, no hint header) gets sessions, stable prefixes, tool pauses and forks inferred
+(``AGENTCACHE_INFER=chat``).
+
+A random-weight model emits a real tool call here because SGLang constrains it: ``tool_choice`` names
+the function, the ``qwen25`` tool-call parser's structural tag frames the call, ``strict`` puts the
+argument schema (an enum) in the grammar, ``--constrained-json-disable-any-whitespace`` and a
+``logit_bias`` against the tiny vocabulary's whitespace tokens keep the model from padding forever.
+That is xgrammar's CPU path, the same constrained decoding a GPU server runs.
+
+Two servers with the same pool and the same host tier, inference on and off, take the same client
+traffic: an agent pauses on a long tool while one-shot chats churn the pool; only with inference does
+its resume find its history.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from sgl_agentcache.cpu_server import CpuServer
+
+pytestmark = pytest.mark.server
+openai = pytest.importorskip("openai")
+
+IDLE_S = 3.0
+# One function: SGLang renders only the named tool's schema when ``tool_choice`` names it, all of
+# them with "auto"; with one, every turn of a conversation renders the same prefix.
+TOOLS = [{"type": "function", "function": {
+    "name": "ci_run", "description": "run the project's test suite and report failures", "strict": True,
+    "parameters": {"type": "object", "properties": {"target": {"type": "string", "enum": ["unit", "all"]}},
+                   "required": ["target"], "additionalProperties": False}}}]
+SYSTEM = {"role": "system", "content": ("you are a coding agent. read the file, run the tests, summarise the "
+                                        "observation, then answer the user. ") * 4}
+#: Operator priors, as on the shared test server: ci_run is long-tailed (worth keeping on host).
+PRIORS = {"grep": {"median_s": 0.02, "sigma": 0.5}, "ci_run": {"median_s": 60.0, "sigma": 1.5}}
+
+
+def _server(tiny_model, tmp_path_factory, name: str, infer: bool) -> CpuServer:
+    log = tmp_path_factory.mktemp(name) / "sglang.log"
+    env = {"AGENTCACHE_TOOL_PRIORS": json.dumps(PRIORS), "AGENTCACHE_PROFILE": "seed",
+           "AGENTCACHE_HOST_TOKENS": "1024", "AGENTCACHE_MAX_RETENTION_S": "90"}
+    if infer:
+        env |= {"AGENTCACHE_INFER": "chat", "AGENTCACHE_INFER_IDLE_S": str(IDLE_S)}
+    return CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=2048, context_length=2048,
+                     extra_args=("--enable-cache-report", "--tool-call-parser", "qwen25",
+                                 "--constrained-json-disable-any-whitespace"), env=env)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    """(inferred, plain): same pool (2048 tokens), same host tier (1024 tokens); started one after the
+    other, stopped after this module (an idle server busy-polls a core)."""
+    with _server(tiny_model, tmp_path_factory, "infer-on", True).start() as on:
+        with _server(tiny_model, tmp_path_factory, "infer-off", False).start() as off:
+            yield on, off
+
+
+class Chat:
+    """The official client, plus the logit bias that keeps a random model from emitting only spaces."""
+
+    def __init__(self, srv: CpuServer, tiny_model):
+        from tokenizers import Tokenizer  # not transformers: importing torch here costs minutes on a busy CPU
+
+        self.srv = srv
+        self.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        tok = Tokenizer.from_file(str(tiny_model.path / "tokenizer.json"))
+        blank = [i for i in range(tok.get_vocab_size()) if tok.decode([i]) and not tok.decode([i]).strip()]
+        self.bias = {str(i): -100 for i in blank}
+
+    def call_tool(self, messages, name="ci_run", stream=False, **kw):
+        """A turn forced to call ``name``; returns (assistant message as a dict, tool call id, usage)."""
+        args = dict(model="tiny", messages=messages, tools=TOOLS, max_tokens=120, temperature=0,
+                    tool_choice={"type": "function", "function": {"name": name}}, parallel_tool_calls=False,
+                    logit_bias=self.bias, **kw)
+        if not stream:
+            reply = self.client.chat.completions.create(**args)
+            message = reply.choices[0].message
+            assert message.tool_calls and message.tool_calls[0].function.name == name, reply
+            return message.model_dump(exclude_none=True), message.tool_calls[0].id, reply.usage
+        calls, call_id = [], None
+        for chunk in self.client.chat.completions.create(stream=True, **args):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or ():
+                    call_id = call.id or call_id
+                    if call.function and call.function.name:
+                        calls.append(call.function.name)
+        assert calls == [name], calls
+        return ({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}]}, call_id, None)
+
+    def answer(self, messages, tools: bool = True, stream: bool = False, **kw):
+        """A short free reply. With ``tools`` the schema is rendered as in the agent's other turns
+        (``tool_choice="none"`` would drop it from the prompt and share nothing past the system text)."""
+        if tools:
+            kw |= {"tools": TOOLS, "tool_choice": "auto", "logit_bias": self.bias}
+        if stream:
+            chunks = list(self.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                                              temperature=0, stream=True, **kw))
+            assert any(c.choices and c.choices[0].finish_reason for c in chunks), chunks
+            return None
+        reply = self.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0, **kw)
+        return reply.usage
+
+    def stats(self) -> dict:
+        status, body = self.srv.request("GET", "/agentcache/stats")
+        assert status == 200, body
+        return body
+
+
+def _result(call_id, text):
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _one_shot(i: int) -> list:
+    words = "the quick brown fox jumps over the lazy dog search the repository read the file".split()
+    text = " ".join(f"{words[(i * 7 + k) % len(words)]} {i}{k}" for k in range(160))
+    return [{"role": "system", "content": f"helper number {i}"}, _user(text)]
+
+
+def _wait(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_react_loop_pauses_on_the_called_function_resumes_on_the_result_and_keeps_its_history(servers, tiny_model):
+    """Same client traffic on both servers: an agent calls ci_run, one-shot chats churn the pool while
+    the tool runs, the result comes back. Inferred: the stable prefix is STABLE, the pause happened at
+    the tool call with the function's name as tool class, the resume hit the retained tokens."""
+    results = {}
+    for srv, name in zip(servers, ("inferred", "plain")):
+        chat = Chat(srv, tiny_model)
+        messages = [SYSTEM, _user("the build is red: find out why")]
+        reply, call_id, first = chat.call_tool(messages)
+        after_call = chat.stats()
+        for i in range(8):  # other users' one-shot chats while the tool runs: more than the pool holds
+            chat.answer(_one_shot(i + 100 * len(results)), tools=False)
+        messages += [reply, _result(call_id, "3 failed: test_cache, test_spill, test_router")]
+        resumed = chat.answer(messages)
+        results[name] = (first, resumed, after_call, chat.stats())
+
+    first, resumed, after_call, final = results["inferred"]
+    prompt = first.prompt_tokens
+    stable = after_call["resident_tokens"]["stable"]
+    assert 0 < stable < prompt, after_call["resident_tokens"]  # system + tools, not the user turn
+    coordinator = after_call["coordinator"]
+    assert coordinator["active_pauses"] == 1 and coordinator["pauses"] == 1
+    assert after_call["pauses"]["decisions"]["offload"] + after_call["pauses"]["decisions"]["keep"] == 1
+    models = final["coordinator"]["latency_models"]
+    assert any(key.endswith("/ci_run") and m["observations"] >= 1 for key, m in models.items()), models
+    assert final["coordinator"]["resumes_by_request"] == 1
+    assert final["chat_inference"]["continued"] >= 1
+    inferred_hit = resumed.prompt_tokens_details.cached_tokens
+    plain_hit = results["plain"][1].prompt_tokens_details.cached_tokens
+    assert inferred_hit >= prompt - 2, (inferred_hit, prompt)  # the first prompt came back (BPE may re-merge its end)
+    assert plain_hit < prompt // 2, (plain_hit, prompt)  # without inference the churn took it
+    assert "chat_inference" not in results["plain"][3] or results["plain"][3]["chat_inference"]["mode"] == "off"
+
+
+def test_concurrent_sub_conversations_are_forks_and_their_scratch_is_reclaimed_after_idle(servers, tiny_model):
+    on, _ = servers
+    chat = Chat(on, tiny_model)
+    messages = [SYSTEM, _user("split the review into three parts")]
+    reply, call_id, _ = chat.call_tool(messages)
+    history = messages + [reply, _result(call_id, "three modules: cache, spill, router")]
+    before = chat.stats()
+    errors, scratch_seen = [], []
+
+    def sub(i: int):
+        try:
+            conversation = history + [_user(f"review part {i}: " + "read the file, run the tests. " * 6)]
+            chat.answer(conversation, stream=i == 0)  # one streams
+            # Right away (a branch idle for IDLE_S is closed): a subagent's own tokens are its scratch.
+            scratch_seen.append(chat.stats()["resident_tokens"]["scratch"])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sub, args=(i,)) for i in range(4)]  # the lead goes on + 3 subagents
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    during = chat.stats()
+    inference = during["chat_inference"]
+    assert inference["forks"] - before["chat_inference"]["forks"] == 3, inference
+    assert during["invalid_hints"] == 0 and during["inferred_orphans"] == 0
+    assert max(scratch_seen) > 0, scratch_seen
+    # Idle past AGENTCACHE_INFER_IDLE_S: every branch of the session closes, the scratch is reclaimed.
+    assert _wait(lambda: chat.stats()["resident_tokens"]["scratch"] == 0 and
+                 chat.stats()["chat_inference"]["branches"] == 0, timeout=60), chat.stats()["chat_inference"]
+    after = chat.stats()
+    assert after["closed_branches"] >= before["closed_branches"] + 4
+    assert after["freed_on_close_tokens"] > before["freed_on_close_tokens"]
+
+
+def test_a_never_returning_tool_is_released_by_its_deadline_then_closed(servers, tiny_model):
+    on, _ = servers
+    chat = Chat(on, tiny_model)
+    before = chat.stats()["coordinator"]
+    chat.call_tool([SYSTEM, _user("run everything, then wait")], stream=True)  # a streamed tool call pauses too
+    paused = chat.stats()["coordinator"]
+    assert paused["active_pauses"] >= 1 and paused["pauses"] == before["pauses"] + 1
+    time.sleep(IDLE_S + 1)  # past the idle time: a paused branch is not idle-closed
+    assert chat.stats()["coordinator"]["active_pauses"] >= 1
+    assert _wait(lambda: chat.stats()["coordinator"]["deadline_expiries"] > paused["deadline_expiries"], timeout=200)
+    assert _wait(lambda: chat.stats()["coordinator"]["active_pauses"] == 0 and
+                 chat.stats()["chat_inference"]["branches"] == 0, timeout=60)
+
+
+def test_bad_chat_input_gets_clear_behaviour_and_nothing_leaks(servers, tiny_model):
+    on, _ = servers
+    chat = Chat(on, tiny_model)
+    before = chat.stats()["chat_inference"]
+    # A tool result for a call nobody made, a tool result first, odd orders: SGLang 0.5.23 runs them
+    # (its pairing check is model-specific); inference treats them as plain conversations.
+    chat.answer([SYSTEM, _user("hi"), _result("call_nope", "orphan")])
+    chat.answer([SYSTEM, _result("call_x", "first")])
+    chat.answer([_user("no system"), {"role": "assistant", "content": "ok"}, _user("again")], tools=False)
+    chat.answer([{"role": "assistant", "content": "speaking first"}, _user("fine")], tools=False)
+    middle = chat.stats()["chat_inference"]
+    assert middle["requests"] - before["requests"] == 4 and middle["forks"] == before["forks"]
+    # One prompt_cache_key reused for unrelated conversations: one session, independent branches.
+    before = middle
+    for text in ("first unrelated chat", "second unrelated chat"):
+        chat.answer([SYSTEM, _user(text)], tools=False, extra_body={"prompt_cache_key": "shared-key"})
+    after = chat.stats()["chat_inference"]
+    assert after["new_branches"] - before["new_branches"] == 2 and after["forks"] == before["forks"]
+    # A client may not claim its own hint was inferred.
+    status, body = on.request("POST", "/v1/chat/completions",
+                              {"model": "tiny", "messages": [_user("x")], "max_tokens": 1},
+                              headers={"x-sgl-agentcache-hint": json.dumps({"session": "s", "inferred": True})})
+    assert status == 400 and "inferred" in json.dumps(body)
+    status, body = on.request("POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1},
+                                                    "kv_hints": {"protocol_version": "1", "message_id": "m", "actions": [
+                                                        {"action_id": "a", "action_type": "sgl_agentcache.lifecycle",
+                                                         "action_version": "1",
+                                                         "payload": {"session": "s", "inferred": True}}]}})
+    assert status == 400 and "inferred" in json.dumps(body), body
+    assert _wait(lambda: chat.stats()["chat_inference"]["branches"] == 0, timeout=60)
+    status, check = on.request("GET", "/agentcache/check")
+    assert status == 200 and check["ok"], check
+    status, _ = on.request("GET", "/health")
+    assert status == 200
+
+
+def test_anthropic_messages_route_is_inferred_too(servers, tiny_model):
+    """SGLang's /v1/messages converts to the same chat serving: a second turn continues the branch and
+    hits the first turn's tokens."""
+    on, _ = servers
+    chat = Chat(on, tiny_model)
+    before = chat.stats()["chat_inference"]
+    first_turn = [{"role": "user", "content": "summarise the failing tests. " * 8}]
+    body = {"model": "tiny", "max_tokens": 4, "system": SYSTEM["content"], "messages": first_turn}
+    status, first = on.request("POST", "/v1/messages", body)
+    assert status == 200, first
+    text = "".join(part.get("text", "") for part in first["content"]) or "ok"
+    second_turn = first_turn + [{"role": "assistant", "content": text}, {"role": "user", "content": "and now?"}]
+    status, second = on.request("POST", "/v1/messages", body | {"messages": second_turn})
+    assert status == 200, second
+    after = chat.stats()["chat_inference"]
+    assert after["requests"] - before["requests"] == 2 and after["continued"] - before["continued"] == 1, after
+    assert second["usage"].get("cache_read_input_tokens", 0) >= first["usage"]["input_tokens"] // 2, second["usage"]
