@@ -209,9 +209,10 @@ class AgentRadixCache(UnifiedRadixCache):
         # lead closed (what it inherited from the parent is born terminated, see _plan).
         if plan.parent is not None and plan.own.owner not in self.seen:
             refusal = parent_refusal(plan.parent.owner, self.seen, self.closed)
-            if refusal is not None and not req.agentcache_hint.inferred:
-                return refusal
-            if refusal is not None:  # the server guessed the fork: run it as a branch of its own
+            if refusal is not None:
+                if not req.agentcache_hint.inferred:
+                    return refusal
+                # The server guessed the fork (chat inference): run it as a branch of its own.
                 self.inferred_orphans += 1
                 req.agentcache_hint = msgspec.structs.replace(req.agentcache_hint, parent_branch=None,
                                                               fork_point_tokens=None)

@@ -230,7 +230,7 @@ def _response_tool_calls(response) -> list[str] | None:
     return names or None
 
 
-async def _around_non_streaming(original, serving, adapted, request, raw_request, *args, **kwargs):
+async def _around_non_streaming(original, serving, adapted, request, raw_request=None, *args, **kwargs):
     with _lock:
         pending = _pending.pop(id(adapted), None)
     _start_sweeper()
@@ -243,10 +243,6 @@ async def _around_non_streaming(original, serving, adapted, request, raw_request
         return response
     finally:
         await _finish(pending, called)
-
-
-def _around_non_streaming_hook(original, serving, adapted, request, raw_request=None, *args, **kwargs):
-    return _around_non_streaming(original, serving, adapted, request, raw_request, *args, **kwargs)
 
 
 async def _watch_stream(gen, pending: _Pending):
@@ -336,7 +332,7 @@ def install() -> None:
 
     check_pinned_internals(CHAT_PINS)
     state = ChatInference(idle_s=idle_seconds())
-    HookRegistry.register(f"{_CHAT}._handle_non_streaming_request", _around_non_streaming_hook, HookType.AROUND)
+    HookRegistry.register(f"{_CHAT}._handle_non_streaming_request", _around_non_streaming, HookType.AROUND)
     HookRegistry.register(f"{_CHAT}._generate_chat_stream", _around_stream_hook, HookType.AROUND)
     logger.info("agentcache: chat inference on (idle close after %.0f s)", state.idle_s)
 

@@ -155,6 +155,12 @@ class PauseRecord:
     prefetch_end: int = 0  # lazy mode: the path's device match right after its prefetch
 
 
+def _path_key(path: tuple):
+    """The RadixKey of a lazy record's ``path`` ((tokens, extra_key, cache_salt), see ``_path_of``)."""
+    tokens, extra_key, salt = path
+    return RadixKey(array("q", tokens), extra_key, cache_salt=salt)
+
+
 def _key_tokens(key) -> array:
     return array("q", key.token_ids[: len(key)])
 
@@ -356,8 +362,8 @@ class PauseBook:
         ranked as before; what eviction later takes of it is spilled to host and kept there ahead of
         other host entries (OFFLOAD), spilled as usual (KEEP), or only into free host room, dropped
         first (DISCARD: not worth displacing anything). Its next request loads back what was spilled
-        when it is matched; a prefetch loads it back earlier. Nothing is pinned: measured on the replay suite, moving or pinning at
-        the pause cost more recompute than it saved (module docstring)."""
+        when it is matched; a prefetch loads it back earlier. Nothing is pinned: measured on the replay
+        suite, moving or pinning at the pause cost more recompute than it saved (module docstring)."""
         tip = self._tip(branch)
         tokens = sum(len(n.key) for n in self.movable_suffix(branch))
         self.kept.pop(branch, None)
@@ -808,10 +814,7 @@ class PauseBook:
             return {"prefetched": False, "reason": f"speculative budget: {pending} + {need} > {budget} tokens"}
         before = self.host.promotes.seconds
         if lazy:
-            from sglang.srt.mem_cache.radix_cache import RadixKey
-
-            tokens, extra_key, salt = record.path
-            key = RadixKey(array("q", tokens), extra_key, cache_salt=salt)
+            key = _path_key(record.path)
             restored = self.cache.load_spilled(key, evict=False)
             record.prefetch_end = self.cache.resident_prefix_len(key)
         else:
@@ -829,11 +832,7 @@ class PauseBook:
         (its other resident tokens do not count). Eager mode: the branch owns at least as many
         resident tokens as were restored."""
         if record.prefetch_end:
-            from sglang.srt.mem_cache.radix_cache import RadixKey
-
-            tokens, extra_key, salt = record.path
-            key = RadixKey(array("q", tokens), extra_key, cache_salt=salt)
-            return self.cache.resident_prefix_len(key) >= record.prefetch_end
+            return self.cache.resident_prefix_len(_path_key(record.path)) >= record.prefetch_end
         return self.cache.tree_core.resident_owned_tokens(branch) >= record.prefetched_tokens
 
     def _prefetch_enabled(self, ns: str) -> bool:
