@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 #: Flags that make SGLang 0.5.23 serve on a CPU-only machine: torch-native attention and sampling, no CUDA
 #: graphs, float32, and dummy weights (tiny random-weight models; nothing is downloaded).
@@ -138,6 +139,8 @@ class CpuServer:
     proc: subprocess.Popen | None = None
     #: The server's own TMPDIR (SGLang leaves its IPC socket files there); removed by :meth:`stop`.
     scratch_dir: str | None = field(default=None, repr=False)
+    #: Servers started and not yet stopped in this process (a failing test reports their logs).
+    running: ClassVar[dict[int, "CpuServer"]] = {}
 
     @property
     def url(self) -> str:
@@ -167,12 +170,22 @@ class CpuServer:
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()  # the child holds its own copy of the descriptor
+        CpuServer.running[id(self)] = self
         try:
             self._wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the server's log ("" without a log file)."""
+        if self.log_path is None or not Path(self.log_path).exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 64 * 1024, 0))
+            text = f.read().decode(errors="replace")
+        return "\n".join(line[:300] for line in text.splitlines()[-lines:])
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -192,6 +205,7 @@ class CpuServer:
     def stop(self) -> None:
         """Terminate the whole process group (server, scheduler, detokenizer), killing it if it lingers,
         then remove the server's scratch directory."""
+        CpuServer.running.pop(id(self), None)
         if self.proc is not None:
             self._stop_group()
         if self.scratch_dir is not None:

@@ -20,6 +20,19 @@ from sgl_agentcache.cpu_server import CpuServer  # noqa: E402
 from sgl_agentcache.tiny_model import TinyModel, make_tiny_model  # noqa: E402
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test reports the end of every running SGLang server's log: a CI run keeps no files,
+    and a stuck or dead server says why only there."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in list(CpuServer.running.values()):
+            tail = server.log_tail()
+            if tail:
+                report.sections.append((f"sglang log (port {server.port}, {server.log_path})", tail))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> TinyModel:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
