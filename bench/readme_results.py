@@ -17,8 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-SHOWN = ("stock", "session-radix", "hicache", "infercept", "continuum", "kvflow", "agentcache", "clairvoyant")
+SHOWN = ("stock", "session-radix", "hicache", "infercept", "continuum", "kvflow", "agentcache", "agentcache-inferred",
+         "clairvoyant")
 OURS = "agentcache"
+INFERRED = "agentcache-inferred"  # ours too (no client hints): never anyone's "best other system"
 
 
 def _cell(s: dict | None) -> str:
@@ -52,7 +54,7 @@ def _grid(body: dict, pressure: str, host: float) -> list[str]:
 def _verdicts(body: dict, pressure: str, host: float) -> list[str]:
     """Ours against the best other non-clairvoyant system of each workload, pass by pass."""
     cmp = [c for c in body["comparisons"] if c["pressure"] == pressure and c["host_ratio"] == host
-           and c["other"] not in ("clairvoyant",)]
+           and c["other"] not in ("clairvoyant", INFERRED)]
     summary = {(s["workload"], s["policy"]): s["recompute_vs_stock"] for s in body["summary"]
                if s["pressure"] == pressure and s["host_ratio"] in (host, 0.0)}
     out = []
@@ -103,8 +105,31 @@ def _replay(body: dict) -> list[str]:
         out += [f"Ours against the best other system (not clairvoyant) per workload, {cfg['sweep_pressure']} pool, "
                 "host tier 1x, seed by seed: " + "; ".join(verdicts) + ".", ""]
     out += _sweep(body)
+    out += _inferred(body)
     out += _decisions(body, cfg["sweep_pressure"], 1.0)
     return out
+
+
+def _inferred(body: dict) -> list[str]:
+    """Ours with no client hints (the lifecycle inferred from the calls) against ours with the trace's
+    explicit hints, stock and HiCache, seed by seed, at the sweep pressure and host tier 1x."""
+    cfg = body["config"]
+    pressure = cfg["sweep_pressure"]
+    cells = {(c["other"], c["workload"]): c for c in body.get("comparisons_inferred", ())
+             if c["pressure"] == pressure and c["host_ratio"] in (1.0, 0.0)
+             and (c["host_ratio"] == 1.0 or c["other"] == "stock")}
+    if not cells:
+        return []
+    others = (OURS, "hicache", "stock")
+    out = [f"**ours, inferred (no client hints) / other, {pressure} pool, host 1x** | "
+           + " | ".join(f"/ {o}" for o in others), "---|" + "|".join("---:" for _ in others)]
+    for w in cfg["workloads"]:
+        row = []
+        for o in others:
+            c = cells.get((o, w))
+            row.append("-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}")
+        out.append(f"{w} | " + " | ".join(row))
+    return out + [""]
 
 
 def _decisions(body: dict, pressure: str, host: float) -> list[str]:
@@ -210,14 +235,16 @@ def _summary(body: dict) -> list[str]:
     pressure = cfg["sweep_pressure"]
     cells = {(s["policy"], s["workload"], s["host_ratio"]): s for s in body["summary"] if s["pressure"] == pressure}
     cmps = {(c["other"], c["workload"], c["host_ratio"]): c for c in body["comparisons"] if c["pressure"] == pressure}
-    others = [p for p in SHOWN if p not in ("stock", OURS, "clairvoyant")]
+    others = [p for p in SHOWN if p not in ("stock", OURS, INFERRED, "clairvoyant")]
     out = [f"Recomputed prefill tokens as a ratio to stock SGLang (no host tier) in the same run, lower is better: "
            f"{pressure} device pool, a host tier of 1x the pool for every system that has one, mean ± 95% CI "
            f"half-width over {len(cfg['seeds'])} seeds ({len(cfg['real_seeds'])} for the real traces). "
            "\"vs best\": ours / the best other system on that workload (not the clairvoyant one), seed by seed, "
-           "with its 95% CI; \"better\"/\"worse\" only where it excludes 1.", "",
-           "workload | hicache | best other | ours | ours vs best | ours, no host tier (vs stock) | LP floor",
-           "---|---:|---|---:|---|---|---:"]
+           "with its 95% CI; \"better\"/\"worse\" only where it excludes 1. \"ours, no client hints\": ours with "
+           "the lifecycle inferred from the calls (`AGENTCACHE_INFER=chat`), same pool and host tier.", "",
+           "workload | hicache | best other | ours | ours vs best | ours, no host tier (vs stock) | "
+           "ours, no client hints | LP floor",
+           "---|---:|---|---:|---|---|---:|---:"]
 
     def verdict(c: dict | None) -> str:
         return "-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}"
@@ -233,7 +260,8 @@ def _summary(body: dict) -> list[str]:
             w, _cell(cells.get(("hicache", w, 1.0))),
             "-" if best is None else f"{best[1]} {_cell(cells[(best[1], w, best[2])])}", _cell(ours),
             "-" if best is None else verdict(cmps.get((best[1], w, 1.0))),
-            verdict(cmps.get(("stock", w, 0.0))), f"{ours['lower_bound_vs_stock']:.2f}"]))
+            verdict(cmps.get(("stock", w, 0.0))), _cell(cells.get((INFERRED, w, 1.0))),
+            f"{ours['lower_bound_vs_stock']:.2f}"]))
     return out + [""]
 
 

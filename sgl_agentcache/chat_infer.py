@@ -4,7 +4,8 @@ Most agent harnesses send plain ``/v1/chat/completions`` requests with ``tools``
 and never add our hint header. With ``AGENTCACHE_INFER=chat`` the server infers a hint for each such
 request from the chat itself; an explicit hint (the header) always wins and is never mixed with an
 inferred one. This module holds the inference state and rules; ``server/chat_hooks.py`` feeds it the
-requests and carries out what it decides.
+requests and carries out what it decides, and the replay (``sim/inferred.py``) drives the same class
+with a trace's block fingerprints for the "ours, inferred" row.
 
 Session identity, in order: OpenAI's ``prompt_cache_key``; ``safety_identifier``; ``user``; else a
 hash of the conversation's first messages (its system messages and first user message). Ids are

@@ -105,6 +105,25 @@ def test_out_of_memory_is_reported_and_changes_nothing():
     assert_idle_ok(driver)
 
 
+def test_the_token_budget_counts_new_tokens_only_and_refuses_what_cannot_decode():
+    """PrefillAdder's check: a prefix resident on the device costs nothing (it is locked, not
+    allocated); the new tokens plus the budget (output, running decodes) must stay below free +
+    evictable, else nothing is admitted."""
+    driver = OfflineDriver(pool_tokens=512)
+    first = driver.admit("first", ids(0, 300))
+    driver.finish(first)  # 300 tokens now cached and evictable
+    hold = driver.admit("hold", ids(0, 300) + ids(300, 100), budget=50)  # 100 new + 50 fit in 212 free
+    assert hold.cached_tokens == 300
+    free_before = driver.free_tokens()
+    with pytest.raises(OfflineOutOfMemory):  # 100 new + 12 budget >= 112 free (nothing evictable)
+        driver.admit("tight", ids(400, 100), budget=12)
+    assert "tight" not in driver.live and driver.free_tokens() == free_before
+    fits = driver.admit("fits", ids(400, 100), budget=11)
+    for req in (hold, fits):
+        driver.abort(req)
+    assert_idle_ok(driver)
+
+
 def test_abort_frees_the_requests_non_shared_kv():
     driver = OfflineDriver(pool_tokens=4096)
     shared = ids(10, 100)

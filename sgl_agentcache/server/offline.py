@@ -342,7 +342,7 @@ class OfflineDriver:
 
     def admit(self, rid: str, input_ids: Sequence[int], kv_hints: dict | Any | None = None,
               extra_key: str | None = None, cache_salt: str | None = None, session_id: str | None = None,
-              *, max_prefill_tokens: int | None = None) -> OfflineReq:
+              *, max_prefill_tokens: int | None = None, budget: int | None = None) -> OfflineReq:
         """Create, match, lock and allocate a request, as the scheduler does when it admits one.
 
         ``kv_hints`` is a ``kv_hints`` envelope (a dict such as
@@ -358,10 +358,13 @@ class OfflineDriver:
         ``len(input_ids) - 1`` tokens, as SGLang always recomputes the last one) and locked; slots for
         the rest are allocated, evicting unlocked tree KV if the pool is short. ``max_prefill_tokens``
         makes this the first chunk of a chunked prefill (floored to whole pages); continue it with
-        :meth:`checkpoint` and :meth:`prefill_next_chunk`.
+        :meth:`checkpoint` and :meth:`prefill_next_chunk`. ``budget``: the scheduler's token budget
+        check (``PrefillAdder.add_one_req``) -- with the match locked, the new tokens plus ``budget``
+        (the request's output and what running requests will still decode) must stay below free plus
+        evictable slots, else :class:`OfflineOutOfMemory` and nothing is admitted.
         """
         req = self.queue(rid, input_ids, kv_hints, extra_key, cache_salt, session_id)
-        return self.admit_queued(req, max_prefill_tokens=max_prefill_tokens)
+        return self.admit_queued(req, max_prefill_tokens=max_prefill_tokens, budget=budget)
 
     def queue(self, rid: str, input_ids: Sequence[int], kv_hints: dict | Any | None = None,
               extra_key: str | None = None, cache_salt: str | None = None,
@@ -407,7 +410,8 @@ class OfflineDriver:
             _around_calc_priority(SchedulePolicy.calc_priority, scheduler_policy, queue)
             return queue
 
-    def admit_queued(self, req: OfflineReq, *, max_prefill_tokens: int | None = None) -> OfflineReq:
+    def admit_queued(self, req: OfflineReq, *, max_prefill_tokens: int | None = None,
+                     budget: int | None = None) -> OfflineReq:
         """The second half of :meth:`admit`: match, lock and allocate a :meth:`queue`d request."""
         with self.activated():
             if req.rid in self.live:
@@ -419,6 +423,8 @@ class OfflineDriver:
             req.extend_end = self._chunk_end(req, max_prefill_tokens)
             req.lock = cache.lock(req.last_node)
             try:
+                if budget is not None:
+                    self._check_budget(req, budget)
                 self._alloc_for_extend(req)
             except BaseException:
                 cache.unlock(req.lock)
@@ -571,6 +577,17 @@ class OfflineDriver:
 
     def _pages_ceil(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
+
+    def _check_budget(self, req: OfflineReq, budget: int) -> None:
+        """``PrefillAdder.add_one_req`` after ``_lock_node``: ``total_tokens >= rem_total_tokens`` is
+        NO_TOKEN, where the total is the extend plus what must stay free for decoding and the room is
+        free plus evictable slots (the matched prefix, now locked, no longer counts as evictable)."""
+        extend = req.extend_end - req.prefix_len
+        available, evictable = self.allocator.available_size(), self.cache.evictable_size()
+        if extend + budget >= available + evictable:
+            raise OfflineOutOfMemory(f"prefill of {req.rid!r}: {extend} new tokens + {budget} budget do not fit "
+                                     f"{available} free + {evictable} evictable", needed=extend + budget,
+                                     available=available, evictable=evictable)
 
     def _ensure_allocatable(self, needed: int, what: str) -> None:
         """Raise :class:`OfflineOutOfMemory` unless ``needed`` slots exist once every unlocked tree

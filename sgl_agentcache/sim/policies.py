@@ -39,6 +39,9 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
 - B5 ``session-radix``: SGLang's ``--enable-session-radix-cache`` soft protection (reference, no host).
 - ours: lifecycle rank, quotas and closes, our pause policy (learned latency distributions), the node
   spill, and a prefetch at the tool class's learned median (into free memory only).
+- ours, inferred (``agentcache-inferred``): the same cache with no client hint at all: sessions,
+  branches, forks, stable prefixes and tool pauses inferred from the calls as ``AGENTCACHE_INFER=chat``
+  infers them from chat requests (``sim/inferred.py``); no closes (idle closes) and no edits.
 - ``clairvoyant``: Belady on true next use, release of what is never used again, an exact prefetch one
   transfer before the true return. A heuristic that reads the future, *not* a bound: the bound is the
   LP in ``sim/bound.py``.
@@ -114,6 +117,7 @@ class ReplayPolicy:
     clairvoyant: bool = False  # reads the trace's future
     pause_rule: Callable[[], PauseRule] | None = None  # a factory: one rule (with its state) per run
     steps: bool = False  # KVFlow's step graph drives ranking and prefetch
+    infer: bool = False  # hints inferred from the calls as AGENTCACHE_INFER=chat does (sim/inferred.py)
 
     @property
     def reference(self) -> bool:
@@ -223,6 +227,8 @@ POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
     ReplayPolicy("session-radix", "B5 SGLang session-radix (no host tier)", stock=True, session_radix=True),
     ReplayPolicy("agentcache", "ours: lifecycle + pause policy + spill", hints=True, quotas=True, spill=True,
                  pause_rule=OursRule),
+    ReplayPolicy("agentcache-inferred", "ours, inferred hints (AGENTCACHE_INFER=chat; no client hints)",
+                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True),
     ReplayPolicy("clairvoyant", "clairvoyant heuristic (Belady + exact prefetch; reads the future, not a bound)",
                  ranking=NextUseRanking, hints=True, spill=True, clairvoyant=True, pause_rule=ClairvoyantRule),
 )}

@@ -9,7 +9,10 @@ really copy (tiny) KV tensors. Every system gets the same device pool and the sa
 is admitted when KV slots can be found (else it waits, FIFO), holds its slots for
 ``restore + prefill(uncached) + decode(output)`` seconds of modelled service, then finishes. When a
 call ends in a tool call, the policy (:mod:`sgl_agentcache.sim.policies`) decides what happens to the
-branch's KV; the branch's next call is its resume.
+branch's KV; the branch's next call is its resume. A branch has at most one call at the server: its
+next call carries the previous one's output, so when the trace's clock ran ahead of the replay's
+service, that call reaches the server (its hint, the end of the tool pause) only when the previous one
+is answered, and is then first in line.
 
 What a system may know: the trace's future (when a branch's next call arrives, whether it has one)
 reaches only a clairvoyant policy, through one :class:`TraceFuture` the replayer holds; every other
@@ -36,10 +39,13 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field, fields
 
+import msgspec
+
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.policy.profiles import Profile
+from sgl_agentcache.sim.inferred import ReplayInference
 from sgl_agentcache.sim.policies import POLICIES, Future, PauseView, ReplayPolicy
 from sgl_agentcache.sim.stepgraph import StepGraph
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids
@@ -105,6 +111,7 @@ class ReplayResult:
     # bound is computed on (sim/bound.py).
     access_log: list = field(default_factory=list, repr=False)
     completion_s: float = 0.0  # when the last call finished (the trace's makespan under this system)
+    inference: dict = field(default_factory=dict)  # ours, inferred: what the chat inference decided
     wall_s: float = 0.0
 
     @property
@@ -206,6 +213,8 @@ def _hint(request: Request, full: bool) -> dict:
     if not full:
         return hint
     hint |= {"stable_prefix_tokens": request.stable_prefix_tokens, "close": request.close}
+    if request.hints == "inferred":
+        hint["inferred"] = True
     if request.parent_branch is not None and request.fork_point_tokens is not None:
         hint["fork_point_tokens"] = max(request.fork_point_tokens, request.stable_prefix_tokens)
     if request.edit_from_tokens is not None:
@@ -271,6 +280,14 @@ class _Run:
         self.tenant_tokens: dict[str, list[int]] = {}
         self.done_count = 0
         self.timeline = timeline
+        # Ours, inferred: the server's chat inference names each call's branch when it is received
+        # (sim/inferred.py); causality (a branch's next call waits for its previous one) stays on the
+        # trace's own branches, whose names the rewritten calls keep here, by request id.
+        self.inference = ReplayInference(trace.header.block_tokens) if policy.infer else None
+        self.trace_keys: dict[str, tuple] = {}
+        self.received: dict[tuple, int] = {}  # trace branch -> its calls the server received, not yet done
+        self.inferred_orphans = 0
+        self.restore_marks: dict[str, int] = {}  # request id -> tokens its failed attempts loaded back
 
     # ---- plumbing ----
 
@@ -278,8 +295,10 @@ class _Run:
         heapq.heappush(self.events, (t, self.seq, kind, payload))
         self.seq += 1
 
-    @staticmethod
-    def key(r) -> tuple:
+    def key(self, r) -> tuple:
+        """The trace branch of a record (a call rewritten by inference keeps its trace branch here)."""
+        if isinstance(r, Request) and r.id in self.trace_keys:
+            return self.trace_keys[r.id]
         return (r.tenant, r.session, r.branch)
 
     @staticmethod
@@ -297,15 +316,12 @@ class _Run:
     def try_start(self, request: Request, arrived: float, now: float) -> bool:
         from sgl_agentcache.server.offline import OfflineOutOfMemory, OfflineRefused
 
-        if self.key(request) in self.live:  # its previous call is still running (see "arrive")
-            self.deferred.setdefault(self.key(request), []).append((request, arrived))
-            return True
-        # Admission budget, like the scheduler's: the prompt plus the whole output must fit in what is
-        # free or evictable, after what live requests will still decode.
-        reserved = sum(max(r.output_tokens, 1) for _, r in self.live.values())
-        headroom = self.driver.free_tokens() + self.cache.evictable_size() - reserved
-        if len(self.live) >= self.max_live or headroom < request.input_tokens + max(request.output_tokens, 1):
+        if len(self.live) >= self.max_live:
             return False
+        # Admission budget, the scheduler's: with its match locked, the prompt's new tokens plus its
+        # whole output must fit in what is free or evictable, after what live requests will still
+        # decode (a prefix already on the device costs nothing, as in PrefillAdder).
+        budget = max(request.output_tokens, 1) + sum(max(r.output_tokens, 1) for _, r in self.live.values())
         envelope = (lifecycle_envelope(_hint(request, self.policy.hints), message_id=request.id)
                     if self.agent else None)
         session_id = None
@@ -317,13 +333,20 @@ class _Run:
         restored_before = self.restored_so_far() if self.agent else 0
         try:
             req = self.driver.admit(request.id, self.tokens.prompt(request), kv_hints=envelope,
-                                    extra_key=request.tenant, session_id=session_id)
+                                    extra_key=request.tenant, session_id=session_id, budget=budget)
         except OfflineOutOfMemory:
+            # Its match may already have loaded host copies back (as the scheduler's does at every
+            # attempt): they count toward the call when it runs.
+            if self.agent:
+                self.restore_marks[request.id] = (self.restore_marks.get(request.id, 0)
+                                                  + self.restored_so_far() - restored_before)
             return False
         except OfflineRefused:
             self.result.refused_requests += 1  # a new fork of an already-closed parent: never served
+            self.answered(request, now)
+            self.waiting.extend(self.receive_released(self.deferred.pop(self.key(request), []), now))
             return True
-        restored = (self.restored_so_far() - restored_before) if self.agent else 0
+        restored = (self.restored_so_far() - restored_before + self.restore_marks.pop(request.id, 0)) if self.agent else 0
         r = self.result
         r.access_log.append(("a", request.id))
         r.requests += 1
@@ -352,25 +375,35 @@ class _Run:
         self.push(now + service, "done", request)
         return True
 
-    def refused_at_receipt(self, request: Request) -> bool:
-        """The server's admission hook runs when a request is *received* (not when it is scheduled):
-        a new fork of a closed or unknown parent is refused then; any other branch becomes known."""
+    def receive(self, request: Request, now: float) -> Request | None:
+        """The server receives a call: the call as it runs (inferred, for ours-inferred), or None when
+        refused. The server's admission hook runs when a request is *received* (not when it is
+        scheduled): a new fork of a closed or unknown parent is refused then (an inferred one runs as a
+        branch of its own, as the cache's admission does); any other branch becomes known."""
         from sgl_agentcache.server.admission import parent_refusal
 
-        if not self.agent:
-            return False
-        cache, own = self.cache, self.branch(request)
-        if request.parent_branch is not None and own not in cache.seen:
-            parent = BranchKey(own.namespace, own.session, request.parent_branch)
-            if parent_refusal(parent, cache.seen, cache.closed) is not None:
-                return True
-        cache.seen.add(own)
-        return False
+        trace_key = self.key(request)
+        if self.inference is not None:
+            request, forgotten = self.inference.receive(request, now)
+            self.trace_keys[request.id] = trace_key
+            self.close_inferred(forgotten)
+        if self.agent:
+            cache, own = self.cache, self.branch(request)
+            if request.parent_branch is not None and own not in cache.seen:
+                parent = BranchKey(own.namespace, own.session, request.parent_branch)
+                if parent_refusal(parent, cache.seen, cache.closed) is not None:
+                    if request.hints != "inferred":
+                        self.result.refused_requests += 1
+                        return None
+                    request = msgspec.structs.replace(request, parent_branch=None, fork_point_tokens=None)
+                    self.inferred_orphans += 1
+            cache.seen.add(own)
+        self.received[trace_key] = self.received.get(trace_key, 0) + 1
+        return request
 
-    def on_arrive(self, request: Request, now: float) -> None:
-        if self.refused_at_receipt(request):
-            self.result.refused_requests += 1
-            return
+    def resumed(self, request: Request, now: float) -> None:
+        """A received call of a paused branch ends its pause: learn the tool's duration, account the
+        memory the pause held."""
         branch = self.branch(request)
         if branch in self.paused:  # the tool returned: learn its duration, account idle memory
             since, tool_class, held = self.paused.pop(branch)
@@ -380,12 +413,20 @@ class _Run:
             self.observed_all.setdefault(request.tenant, []).append(waited)
             held_now = self.owned_on_device(branch)
             self.result.idle_kv_token_s += (held + held_now) / 2 * waited
-        if self.key(request) in self.live:
-            # Causality: the next call of a branch carries its previous output, so it cannot start
-            # before that call ends (the trace's own service model may have been faster).
+
+    def on_arrive(self, request: Request, now: float) -> None:
+        if self.received.get(self.key(request)):
+            # Causality: the next call of a branch carries its previous output, so the client sends it
+            # when that call is answered (the trace's own service model may have been faster); only
+            # then does the server receive it -- its hint, the end of the branch's tool pause.
             self.deferred.setdefault(self.key(request), []).append((request, now))
             self.result.queued_requests += 1
-        elif self.waiting or not self.try_start(request, now, now):
+            return
+        request = self.receive(request, now)
+        if request is None:
+            return
+        self.resumed(request, now)
+        if self.waiting or not self.try_start(request, now, now):
             self.waiting.append((request, now))
             self.result.queued_requests += 1
 
@@ -398,6 +439,7 @@ class _Run:
         self.driver.finish(entry[0])
         self.result.access_log.append(("f", request.id))
         self.result.completion_s = now
+        self.answered(request, now)
         branch = self.branch(request)
         self.last_call[branch] = request
         session = (request.tenant, request.session)
@@ -413,8 +455,22 @@ class _Run:
         if self.timeline and self.done_count % max(len(self.trace.requests) // TIMELINE_SAMPLES, 1) == 0:
             self.sample(now)
         # The branch's next calls are causally next: ahead of anything that waits on them.
-        self.waiting[0:0] = self.deferred.pop(self.key(request), ())
+        self.waiting[0:0] = self.receive_released(self.deferred.pop(self.key(request), []), now)
         self.drain(now)
+
+    def receive_released(self, released: list, now: float) -> list:
+        """The first call held behind its branch's previous one reaches the server now; the rest wait
+        for its answer in turn (one unanswered call per trace branch, as from a client)."""
+        while released:
+            (record, arrived), rest = released[0], released[1:]
+            if rest:
+                self.deferred[self.key(record)] = rest
+            received = self.receive(record, now)
+            if received is not None:
+                self.resumed(received, now)
+                return [(received, arrived)]
+            released = self.deferred.pop(self.key(record), [])  # refused: the next one goes instead
+        return []
 
     def update_steps(self, keys) -> None:
         """KVFlow: refresh the steps to execution of ``keys``; a waiting branch whose next step comes
@@ -493,11 +549,12 @@ class _Run:
             affected = lambda key: key == self.key(event)  # noqa: E731
         return any(affected(key) for key in self.live) or any(affected(key) for key in self.deferred)
 
-    def apply_event(self, event: Event) -> None:
+    def apply_event(self, event: Event, now: float) -> None:
         key = self.key(event)
         if event.kind == "abort" and key in self.live:
-            req, _ = self.live.pop(key)
+            req, request = self.live.pop(key)
             self.driver.abort(req)
+            self.answered(request, now)
         if event.kind == "close_session":
             calls = self.session_calls.pop((event.tenant, event.session), 0)
             if calls:
@@ -530,6 +587,34 @@ class _Run:
             if self.future is not None:
                 self.ranking.next_use[b] = math.inf
 
+    def on_event_inferred(self, event: Event, now: float) -> None:
+        """Inferred: a client sends no closes; an abort (a client gone mid-call) ends the call only."""
+        key = self.key(event)
+        if event.kind == "abort" and key in self.live:
+            req, request = self.live.pop(key)
+            self.driver.abort(req)
+            self.answered(request, now)
+            self.waiting.extend(self.receive_released(self.deferred.pop(key, []), now))
+
+    def answered(self, request: Request, now: float) -> None:
+        """A received call ended (answered, refused at admission or aborted)."""
+        self.received[self.key(request)] -= 1
+        if self.inference is not None:
+            self.inference.done(request, now)
+            self.push(now + self.inference.idle_s, "idle", None)
+
+    def on_idle(self, now: float) -> None:
+        """The server's idle sweep (inferred): close what has been idle for ``idle_s``."""
+        self.close_inferred(self.inference.idle(now, {b: since for b, (since, _, _) in self.paused.items()}))
+
+    def close_inferred(self, branches: list[BranchKey]) -> None:
+        """Close branches the inference forgot (idle or over its bounds), as the server's sweeper does."""
+        for branch in branches:
+            if branch in self.cache.seen:  # else the server never saw it: nothing to close (its 404)
+                with self.driver.activated():
+                    self.cache.close_branch(branch)
+            self.paused.pop(branch, None)
+
     def drain(self, now: float) -> None:
         # Events wait behind earlier requests so that a close never overtakes the calls before it.
         while self.waiting:
@@ -537,11 +622,11 @@ class _Run:
             if isinstance(record, Event) and self.close_blocked(record):
                 return  # a close waits for the calls of its branch (session) that came before it
             if isinstance(record, Event):
-                self.apply_event(record)
+                self.apply_event(record, now)
                 if self.policy.hints and record.kind != "abort":
                     self.result.reclaim_latencies_s.append(now - arrived)
-                if self.key(record) not in self.live:  # an abort freed the branch for its deferred calls
-                    self.waiting.extend(self.deferred.pop(self.key(record), ()))
+                if not self.received.get(self.key(record)):  # an abort freed the branch for its next call
+                    self.waiting.extend(self.receive_released(self.deferred.pop(self.key(record), []), now))
             elif not self.try_start(record, arrived, now):
                 return
             self.waiting.pop(0)
@@ -562,9 +647,14 @@ class _Run:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == "arrive" and isinstance(payload, Request):
                 self.on_arrive(payload, now)
+            elif kind == "arrive" and self.inference is not None:
+                self.on_event_inferred(payload, now)
+                self.drain(now)
             elif kind == "arrive":
                 self.waiting.append((payload, now))
                 self.drain(now)
+            elif kind == "idle":
+                self.on_idle(now)
             elif kind == "done":
                 self.on_done(payload, now)
             elif kind == "unpin":
@@ -594,6 +684,8 @@ class _Run:
                           "precision": pf["used"] / judged if judged else None,
                           "recall": pf["used"] / host_resumes if host_resumes else None}
             r.host_tokens_at_end = pauses.host.used_tokens
+        if self.inference is not None:
+            r.inference = self.inference.stats() | {"orphans": self.inferred_orphans}
         if self.policy.hints:
             # Leaked: terminated tokens that nothing holds any more yet are still resident (must be 0).
             # Terminated nodes that other branches' nodes still hang below are shared, not leaked.

@@ -21,6 +21,10 @@ carries the infinite-cache hit rate and the LP lower bound (``sim/bound.py``) on
 capacity: the smallest of its runs' bounds, so a bound for each of them; every run is checked to
 recompute at least its own bound.
 
+Ours also runs as ``agentcache-inferred``: the same cache given no client hint, the lifecycle inferred
+from the calls as ``AGENTCACHE_INFER=chat`` does (``sim/inferred.py``), compared with ours given the
+trace's explicit hints (``comparisons_inferred``: inferred / explicit, / stock, / hicache).
+
 Everything a report quotes is computed here and written to ``results.json`` with the command, seeds,
 profile and package versions. Jobs (a workload and a seed) run in worker processes.
 """
@@ -55,7 +59,10 @@ REAL_WORKLOADS = {
     "real_mooncake_chat": ("mooncake_conversation", 64, 120.0),
 }
 OURS = "agentcache"
-DEFAULT_POLICIES = ("stock", "hicache", "infercept", "continuum", "kvflow", "session-radix", OURS, "clairvoyant")
+#: Ours with no client hints: the lifecycle inferred from the calls (AGENTCACHE_INFER=chat).
+INFERRED = "agentcache-inferred"
+DEFAULT_POLICIES = ("stock", "hicache", "infercept", "continuum", "kvflow", "session-radix", OURS, INFERRED,
+                    "clairvoyant")
 
 
 @dataclass(frozen=True)
@@ -214,7 +221,9 @@ def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], N
                 if progress is not None:
                     progress(f"{workload} seed {seed}")
     return {"config": asdict(config), "profile": profile.to_dict(), "rows": rows, "runs": runs,
-            "summary": summarize(rows), "comparisons": compare(rows, OURS), "jobs": len(jobs),
+            "summary": summarize(rows), "comparisons": compare(rows, OURS),
+            "comparisons_inferred": [c for c in compare(rows, INFERRED) if c["other"] in ("stock", "hicache", OURS)],
+            "jobs": len(jobs),
             "wall_s": time.perf_counter() - started, "environment": _environment()}
 
 

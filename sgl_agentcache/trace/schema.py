@@ -12,7 +12,11 @@ Records:
   session/branch/parent, the prompt's blocks and length, output length, the stable-prefix and fork-point
   lengths, ``edit_from_tokens`` when *this* prompt rewrote the branch's history from that offset (as
   in the lifecycle hint), and what follows the call: a tool call (class and duration) and/or think
-  time before the branch's next call, or the branch's end (``close``).
+  time before the branch's next call, or the branch's end (``close``). ``hints`` says where the
+  lifecycle fields came from: ``explicit`` (the harness sent them: our header or ``kv_hints``) or
+  ``inferred`` (the server inferred them from a plain chat request, ``AGENTCACHE_INFER=chat``; such a
+  record carries no close and no edit, which the server never infers, and a replay sends it marked
+  inferred, so a fork of an unknown parent runs as a branch of its own instead of being refused).
 - :class:`Event` -- a termination the harness signals without a model call: close of a branch or a
   session, or an abort.
 
@@ -66,6 +70,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     think_s: _Seconds = 0.0
     edit_from_tokens: _NonNeg | None = None
     close: bool = False  # the branch ends after this call
+    hints: Literal["explicit", "inferred"] = "explicit"
 
 
 class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="event"):
@@ -148,6 +153,8 @@ def validate(trace: Trace) -> Trace:
         if len(record.blocks) != expected_blocks:
             raise TraceError(f"{where}: {len(record.blocks)} blocks for {record.input_tokens} input tokens "
                              f"(expected {expected_blocks} of {block} tokens)")
+        if record.hints == "inferred" and (record.close or record.edit_from_tokens is not None):
+            raise TraceError(f"{where}: an inferred record carries no close or edit_from_tokens")
         if record.fork_point_tokens is not None and record.parent_branch is None:
             raise TraceError(f"{where}: fork_point_tokens without parent_branch")
         for name in ("stable_prefix_tokens", "fork_point_tokens", "edit_from_tokens"):

@@ -1,0 +1,94 @@
+"""Chat inference in the replay: the hints ``AGENTCACHE_INFER=chat`` would give a trace's calls.
+
+The server infers a hint for a plain chat request from its messages (:mod:`sgl_agentcache.chat_infer`).
+A trace has no messages, only the prompt's blocks; this module drives the *same* :class:`ChatInference`
+with block fingerprints in place of message fingerprints, at the moments the server would see them
+(a call received, a call answered, the idle sweep), and rewrites each call into the record the server
+would have run (``hints="inferred"``). What carries over, and what it stands for:
+
+- a message fingerprint -> one per block of the prompt except its last (the last block is usually
+  partial and changes when the conversation grows, as a message boundary rarely falls on a block's);
+- the leading system messages -> the blocks the stable prefix covers (the server renders system +
+  tools with the chat template; the trace's ``stable_prefix_tokens`` is that same length);
+- the session -> no ``prompt_cache_key`` or ``user`` (the zero-config case): a hash of the
+  conversation's opening, here the stable prefix's blocks and the one block after them (the first
+  user message); a subagent opening with its own system prompt is a session of its own, as it is on
+  the server;
+- a fork's ``fork_point_tokens`` -> the shared blocks' tokens (at least the stable prefix);
+- a tool pause -> the call's tool (the server pauses on a reply carrying tool calls, class = the
+  function's name);
+- closes and context edits -> none: a client sends no close, and the server infers no edit (an edited
+  prompt shares history and diverges, so it is a fork; the old branch closes when idle). Branches close
+  after ``idle_s`` without a call in flight, except while paused on a tool within the server's
+  maximum retention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from sgl_agentcache.chat_infer import ChatInference, ChatTurn
+from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.trace.schema import Request
+
+#: The server's defaults: ``AGENTCACHE_INFER_IDLE_S`` and ``AGENTCACHE_MAX_RETENTION_S``.
+IDLE_S = 300.0
+MAX_RETENTION_S = 600.0
+
+
+def block_turn(request: Request, block_tokens: int) -> ChatTurn:
+    """The :class:`ChatTurn` of a call, from its blocks (see the module docstring)."""
+    fingerprints, digest = [], b""
+    for block in request.blocks[:-1]:
+        digest = hashlib.blake2b(digest + block.to_bytes(8, "little"), digest_size=16).digest()
+        fingerprints.append(digest)
+    leading = min(request.stable_prefix_tokens // block_tokens, len(fingerprints))
+    opening = b"".join(b.to_bytes(8, "little") for b in request.blocks[:leading + 1])
+    session = "c-" + hashlib.blake2b(opening, digest_size=12).hexdigest()
+    return ChatTurn(tuple(fingerprints), leading, session, "conversation")
+
+
+class ReplayInference:
+    """The server's inference state for one replay; every method takes the replay's clock."""
+
+    def __init__(self, block_tokens: int, idle_s: float = IDLE_S, max_retention_s: float = MAX_RETENTION_S):
+        self.block_tokens = block_tokens
+        self.state = ChatInference(idle_s=idle_s)
+        self.max_retention_s = max_retention_s
+
+    @property
+    def idle_s(self) -> float:
+        return self.state.idle_s
+
+    def receive(self, request: Request, now: float) -> tuple[Request, list[BranchKey]]:
+        """The call as the server would run it (inferred session, branch, parent and fork point;
+        no close, no edit), and the branches the inference's bounds forgot (to close)."""
+        namespace = namespace_key(request.tenant, None)
+        inferred, forgotten = self.state.assign(namespace, block_turn(request, self.block_tokens), now)
+        fork_point = None
+        if inferred.parent is not None:
+            shared = min(inferred.shared_messages * self.block_tokens, request.input_tokens)
+            fork_point = max(shared, request.stable_prefix_tokens)
+        rewritten = msgspec.structs.replace(
+            request, session=inferred.session, branch=inferred.branch, parent_branch=inferred.parent,
+            fork_point_tokens=fork_point, close=False, edit_from_tokens=None, hints="inferred")
+        return rewritten, [BranchKey(*item) for item in forgotten]
+
+    def done(self, request: Request, now: float) -> None:
+        """A call received through :meth:`receive` ended."""
+        self.state.done(namespace_key(request.tenant, None), request.session, request.branch, now)
+
+    def idle(self, now: float, paused: dict[BranchKey, float]) -> list[BranchKey]:
+        """Branches the idle sweep closes now; ``paused``: branch -> when its tool pause began (a pause
+        holds a branch open until the server's maximum retention)."""
+        busy = [(b.namespace, b.session, b.branch) for b, since in paused.items()
+                if now - since < self.max_retention_s]
+        return [BranchKey(*item) for item in self.state.idle(now, busy)]
+
+    def stats(self) -> dict:
+        return self.state.stats()
+
+
+__all__ = ["IDLE_S", "MAX_RETENTION_S", "ReplayInference", "block_turn"]

@@ -1,0 +1,116 @@
+"""Ours with no client hints in the replay: the lifecycle inferred from the calls by the server's own
+chat inference (``sim/inferred.py`` drives ``chat_infer.ChatInference`` with block fingerprints), and
+the trace format's record of where hints came from."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.policy.profiles import PROFILES
+from sgl_agentcache.sim.inferred import ReplayInference, block_turn
+from sgl_agentcache.sim.policies import POLICIES
+from sgl_agentcache.sim.replay import _Run, replay
+from sgl_agentcache.sim.suite import pool_for
+from sgl_agentcache.trace.generators import generate
+from sgl_agentcache.trace.schema import (Event, Request, ToolCall, Trace, TraceError, TraceHeader, dumps_jsonl,
+                                         loads_jsonl, validate)
+
+SEED = PROFILES["seed"]
+VOCAB = 2**31 - 1
+BLOCK = 16
+
+
+def _call(rid, t, blocks, *, session="s", branch="main", parent=None, fork=None, stable=32, tool=None, close=False):
+    return Request(id=rid, t=t, session=session, branch=branch, parent_branch=parent, fork_point_tokens=fork,
+                   blocks=list(blocks), input_tokens=len(blocks) * BLOCK, output_tokens=BLOCK,
+                   stable_prefix_tokens=stable, tool=tool, close=close)
+
+
+def test_block_turn_fingerprints_all_but_the_last_block_and_names_the_session_by_its_opening():
+    a = block_turn(_call("a", 0, [1, 2, 3, 4]), BLOCK)
+    b = block_turn(_call("b", 1, [1, 2, 3, 4, 5, 6]), BLOCK)
+    other = block_turn(_call("c", 2, [1, 2, 9, 4]), BLOCK)  # same stable prefix, another first user turn
+    assert len(a.fingerprints) == 3 and b.fingerprints[:3] == a.fingerprints  # b extends a
+    assert a.leading_system == 2 and a.session == b.session != other.session
+    assert a.source == "conversation"
+
+
+def test_inference_continues_a_branch_forks_busy_subagents_and_closes_idle_branches():
+    inference = ReplayInference(BLOCK, idle_s=10.0)
+    lead, _ = inference.receive(_call("l1", 0.0, [1, 2, 3, 4], tool=ToolCall(tool_class="task", duration_s=5)), 0.0)
+    inference.done(lead, 1.0)
+    assert lead.hints == "inferred" and lead.parent_branch is None and not lead.close
+    # Two subagents extend the lead's history at once: the first continues its branch, the second forks.
+    sub1, _ = inference.receive(_call("a1", 1.1, [1, 2, 3, 4, 5, 6], branch="sa-1", parent="main", fork=64), 1.1)
+    sub2, _ = inference.receive(_call("b1", 1.1, [1, 2, 3, 4, 7, 8], branch="sa-2", parent="main", fork=64), 1.1)
+    assert sub1.branch == lead.branch and sub2.parent_branch == lead.branch
+    assert sub2.fork_point_tokens == 4 * BLOCK  # the blocks it shares (past the stable prefix)
+    for call in (sub1, sub2):
+        inference.done(call, 2.0)
+    paused = {}
+    assert inference.idle(5.0, paused) == []  # not idle long enough
+    closed = inference.idle(20.0, paused)
+    assert [b.branch for b in closed] == [sub2.branch, lead.branch]  # the fork before its parent
+    assert inference.stats()["sessions"] == 0
+
+
+def test_a_paused_branch_is_not_closed_when_idle_until_the_maximum_retention():
+    inference = ReplayInference(BLOCK, idle_s=10.0, max_retention_s=100.0)
+    call, _ = inference.receive(_call("l1", 0.0, [1, 2, 3]), 0.0)
+    inference.done(call, 1.0)
+    branch = BranchKey(namespace_key("default", None), call.session, call.branch)
+    assert inference.idle(50.0, {branch: 1.0}) == []
+    assert inference.idle(150.0, {branch: 1.0}) == [branch]
+
+
+def test_trace_format_records_inferred_hints_and_refuses_inferred_closes():
+    call = msgspec.structs.replace(_call("x", 0.0, [1, 2]), hints="inferred", session="c-1", branch="m1")
+    trace = Trace(header=TraceHeader(block_tokens=BLOCK), records=[call])
+    assert loads_jsonl(dumps_jsonl(trace)).records[0].hints == "inferred"
+    assert _call("y", 0.0, [1]).hints == "explicit"
+    with pytest.raises(TraceError, match="inferred record carries no close"):
+        validate(Trace(header=trace.header, records=[msgspec.structs.replace(call, close=True)]))
+
+
+def test_inferred_replay_serves_every_call_with_no_client_hint_and_leaks_nothing():
+    trace = generate("branch_heavy", seed=2, scale=0.1)
+    pool = pool_for(trace, "tight")
+    r = replay(trace, "agentcache-inferred", pool_tokens=pool, host_tokens=pool, profile=SEED, vocab_size=VOCAB)
+    assert POLICIES["agentcache-inferred"].infer and r.label.startswith("ours, inferred")
+    assert r.requests == len(trace.requests) and r.refused_requests == 0
+    assert r.integrity_ok and r.leaked_tokens == 0
+    inferred = r.inference
+    assert inferred["requests"] == len(trace.requests)
+    assert inferred["forks"] > 0 and inferred["continued"] > 0  # subagents found without a hint
+    assert inferred["idle_closes"] > 0 and r.reclaimed_tokens > 0  # idle closes reclaimed their KV
+    assert sum(r.decisions[k] for k in ("keep", "offload", "discard", "release")) > 0  # tool pauses decided
+
+
+def test_a_call_sent_before_its_predecessor_is_answered_reaches_the_server_after_the_answer():
+    """The trace's clock can be faster than the replay's service: the next call of a branch is received
+    (its hint, the end of its tool pause) only once the previous call is answered, as from a client.
+    Inferred: it continues the branch instead of looking like a fork of a busy branch."""
+    calls = [_call("c0", 0.0, range(1, 41), tool=ToolCall(tool_class="grep", duration_s=0.001)),
+             _call("c1", 0.002, range(1, 43), tool=ToolCall(tool_class="grep", duration_s=0.001)),
+             _call("c2", 0.004, range(1, 45), close=True)]
+    trace = Trace(header=TraceHeader(block_tokens=BLOCK), records=calls)
+    for policy in ("agentcache", "agentcache-inferred"):
+        run = _Run(trace, POLICIES[policy], 4096, 4096, SEED, VOCAB, 8, None, False)
+        result = run.run()
+        assert result.requests == 3 and not run.paused  # every pause ended at its resume
+        assert all(x < 0.5 for x in run.observed_all["default"])  # tool time seen by the server, not service
+        if policy == "agentcache-inferred":
+            assert result.inference["continued"] == 2 and result.inference["forks"] == 0
+
+
+def test_inferred_replay_ignores_the_trace_closes_and_edits():
+    calls = [_call("c0", 0.0, [1, 2, 3, 4]), _call("c1", 5.0, [1, 2, 3, 4, 5, 6], close=True)]
+    trace = Trace(header=TraceHeader(block_tokens=BLOCK),
+                  records=[*calls, Event(t=6.0, kind="close_session", session="s")])
+    run = _Run(trace, POLICIES["agentcache-inferred"], 4096, 0, SEED, VOCAB, 8, None, False)
+    result = run.run()
+    assert result.requests == 2 and result.inference["continued"] == 1
+    # Closed by the idle sweep (idle_s after the last answer), not by the trace's close.
+    assert result.inference["idle_closes"] == 1 and result.reclaim_latencies_s == []
