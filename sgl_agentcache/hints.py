@@ -18,7 +18,9 @@ Payload fields (a JSON object of at most :data:`MAX_PAYLOAD_BYTES` bytes; unknow
 ``stable_prefix_tokens`` (default 0)
     Length of the prompt prefix shared by nearly every turn (system prompt, tool schema).
 ``fork_point_tokens`` (default none; only with ``parent_branch``; ``>= stable_prefix_tokens``)
-    Length of the prompt prefix inherited from the parent branch.
+    Length of the prompt prefix inherited from the parent branch. Without it, the server uses where
+    the parent's last finished context (prompt, or prompt plus output) ends, if the fork's prompt
+    continues it (``fork_points.py``), else the stable prefix.
 ``close`` (default false)
     The branch ends after this request: its private KV becomes reclaimable.
 ``edit_from_tokens`` (default none)

@@ -211,6 +211,56 @@ def test_lifecycle_fork_is_charged_and_closed_exactly():
     assert_idle_ok(driver)
 
 
+def test_a_fork_without_a_fork_point_charges_the_parents_history_it_recomputes_to_the_parent():
+    """The hint names the parent but no fork point, and the parent's history was evicted before the
+    fork ran: the fork recomputes it. The cache finds where the parent's last context ends in the
+    fork's prompt, so those tokens are the parent's session history, not scratch that dies with the
+    fork."""
+    driver = OfflineDriver(pool_tokens=4096)
+    cache = driver.cache
+    main_key, b1 = BranchKey("|", "s", "main"), BranchKey("|", "s", "b1")
+    prompt, output = ids(100, 50), [400, 401, 402]
+    main = driver.admit("main", prompt, kv_hints=lifecycle_envelope(
+        {"session": "s", "branch": "main", "stable_prefix_tokens": 10}, message_id="m"))
+    driver.extend(main, output)
+    driver.finish(main)
+    driver.flush_cache()  # the parent's history is gone from the tree
+    assert cache.tree_core.owned_tokens(main_key) == 0
+    fork = driver.admit("fork", prompt + output + ids(300, 20), kv_hints=lifecycle_envelope(
+        {"session": "s", "branch": "b1", "parent_branch": "main", "stable_prefix_tokens": 10}, message_id="m2"))
+    assert fork.agentcache_plan.fork_point == 53 and cache.inferred_fork_points == 1
+    driver.extend(fork, [410, 411])
+    driver.finish(fork)
+    assert cache.tree_core.owned_tokens(main_key) == 53 - 10  # the parent's history, recomputed
+    assert cache.tree_core.owned_tokens(b1) == 20 + 1  # its own tokens (the last output is not cached)
+    with driver.activated():
+        cache.close_branch(b1)
+    assert cache.tree_core.owned_tokens(main_key) == 43  # the fork's close leaves the parent's history
+    # A prompt that does not continue the parent's context gets no fork point (all its own, as before).
+    other = driver.admit("other", ids(0, 60), kv_hints=lifecycle_envelope(
+        {"session": "s", "branch": "b2", "parent_branch": "main", "stable_prefix_tokens": 10}, message_id="m3"))
+    assert other.agentcache_plan.fork_point == 10 and cache.inferred_fork_points == 1
+    driver.abort(other)
+    assert_idle_ok(driver)
+
+
+def test_branch_contexts_match_only_a_continued_context_and_stay_bounded():
+    from sgl_agentcache.fork_points import BranchContexts
+
+    contexts = BranchContexts(limit=2)
+    contexts.record("a", list(range(100)), [7, 8])
+    assert contexts.fork_point("a", list(range(100)) + [7, 8, 9]) == 102  # prompt and output
+    assert contexts.fork_point("a", list(range(100)) + [5]) == 100  # the prompt only
+    assert contexts.fork_point("a", [1] + list(range(1, 100))) == 100  # a window, not the whole prefix
+    assert contexts.fork_point("a", list(range(99))) is None  # shorter than the context
+    assert contexts.fork_point("unknown", list(range(100))) is None
+    contexts.record("b", [1], [])
+    contexts.record("c", [2], [])
+    assert len(contexts) == 2 and contexts.fork_point("a", list(range(100))) is None  # "a" forgotten
+    contexts.forget_where(lambda branch: branch == "b")
+    assert len(contexts) == 1
+
+
 def test_session_close_finds_every_branch_even_one_the_seen_set_forgot():
     """close_session looks branches up by session (never by scanning every branch ever seen); a branch
     the bounded seen set has forgotten but that owns nodes is found through the owner index. (The set

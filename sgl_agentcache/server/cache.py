@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_agentcache import BACKEND_NAME
+from sgl_agentcache.fork_points import BranchContexts
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank,
                                       namespace_key, namespace_salt)
@@ -113,6 +114,10 @@ class AgentRadixCache(UnifiedRadixCache):
         self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
         self.invalid_hints = 0
         self.inferred_orphans = 0  # inferred forks run without their parent (it was unknown or closed)
+        # Each branch's last finished context, so a fork whose hint gives no fork point still charges
+        # the parent's history it recomputes to the parent (fork_points.py).
+        self.contexts = BranchContexts()
+        self.inferred_fork_points = 0
         self.context_edit_freed_tokens = 0
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
@@ -192,6 +197,8 @@ class AgentRadixCache(UnifiedRadixCache):
                 self.invalid_hints += 1
                 logger.warning("agentcache: ignoring invalid lifecycle hint on %s: %s", req.rid, exc)
                 hint = None
+            if hint is not None and hint.is_fork and hint.fork_point_tokens is None:
+                hint = self._with_fork_point(hint, req)
             plan = insert_plan(hint, namespace_of(req), closed)
             req.agentcache_hint = hint
         req.agentcache_plan, req.agentcache_closed_version = plan, closed.version
@@ -201,6 +208,15 @@ class AgentRadixCache(UnifiedRadixCache):
             if len(self.quotas) > self.closed.limit:
                 self.quotas.popitem(last=False)
         return plan
+
+    def _with_fork_point(self, hint: LifecycleHint, req) -> LifecycleHint:
+        """``hint`` with the fork point its prompt shows, if it continues the parent's last context."""
+        parent = BranchKey(namespace_of(req), hint.session, hint.parent_branch)
+        found = self.contexts.fork_point(parent, req.origin_input_ids)
+        if not found or found <= hint.stable_prefix_tokens:
+            return hint
+        self.inferred_fork_points += 1
+        return msgspec.structs.replace(hint, fork_point_tokens=found)
 
     def admit(self, req) -> str | None:
         """Build the request's plan at admission; return why it must be refused, or None."""
@@ -459,6 +475,7 @@ class AgentRadixCache(UnifiedRadixCache):
             return {"closed": False, "reason": "unknown branch"}
         self.closed.add(branch)
         self.quotas.pop(branch, None)
+        self.contexts.forget(branch)
         host_freed = self.pauses.forget(branch) + self.spill.drop_owner(branch)
         core = self.tree_core
         for node in list(core.owner_index.get(branch, ())):
@@ -497,6 +514,7 @@ class AgentRadixCache(UnifiedRadixCache):
             freed += self.close_branch(branch).get("freed_tokens", 0)
             self.seen.discard(branch)
         self.spill.drop_salt(salt)
+        self.contexts.forget_where(lambda b: namespace_salt(b.namespace) == salt)
         freed += self._evict_nodes(self._salted_nodes(salt), budget=None)
         locked = sum(len(n.key) for n in self._salted_nodes(salt) if n.component_data[FULL].value is not None)
         return {"branches_closed": len(branches), "freed_tokens": freed,
@@ -588,6 +606,8 @@ class AgentRadixCache(UnifiedRadixCache):
             if ((plan.parent is not None and isinstance(req.finished_reason, FINISH_ABORT))
                     or (hint is not None and hint.close and req.finished())):
                 self.close_branch(plan.own.owner)
+            elif req.finished() and not isinstance(req.finished_reason, FINISH_ABORT):
+                self.contexts.record(plan.own.owner, req.origin_input_ids, req.output_ids)
         if self.tree_core.reclaim_due:  # the request's unlock may have exposed terminated leaves
             self.reclaim_terminated()
 
@@ -657,6 +677,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "over_quota_branches": sum(self.over_quota(b) for b in core.owner_index),
             "invalid_hints": self.invalid_hints,
             "inferred_orphans": self.inferred_orphans,
+            "inferred_fork_points": self.inferred_fork_points,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),
