@@ -30,6 +30,11 @@ def _cell(s: dict | None) -> str:
     return f"{s['recompute_vs_stock']:.2f}" + (f" ±{(hi - lo) / 2:.2f}" if hi == hi else "")
 
 
+def _verdict(c: dict | None) -> str:
+    """A seed-by-seed comparison: mean ratio, 95% CI and verdict ("-" when there is none)."""
+    return "-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}"
+
+
 def _grid(body: dict, pressure: str, host: float) -> list[str]:
     cfg = body["config"]
     workloads = list(cfg["workloads"])
@@ -82,7 +87,7 @@ def _sweep(body: dict) -> list[str]:
         row = []
         for h in hosts:
             c = cells.get((w, h))
-            row.append("-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}")
+            row.append(_verdict(c))
         out.append(f"{w} | " + " | ".join(row))
     return out + [""]
 
@@ -127,7 +132,7 @@ def _inferred(body: dict) -> list[str]:
         row = []
         for o in others:
             c = cells.get((o, w))
-            row.append("-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}")
+            row.append(_verdict(c))
         out.append(f"{w} | " + " | ".join(row))
     return out + [""]
 
@@ -246,9 +251,6 @@ def _summary(body: dict) -> list[str]:
            "ours, no client hints | LP floor",
            "---|---:|---|---:|---|---|---:|---:"]
 
-    def verdict(c: dict | None) -> str:
-        return "-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}"
-
     for w in cfg["workloads"]:
         ours = cells.get((OURS, w, 1.0))
         if ours is None:
@@ -259,8 +261,8 @@ def _summary(body: dict) -> list[str]:
         out.append(" | ".join([
             w, _cell(cells.get(("hicache", w, 1.0))),
             "-" if best is None else f"{best[1]} {_cell(cells[(best[1], w, best[2])])}", _cell(ours),
-            "-" if best is None else verdict(cmps.get((best[1], w, 1.0))),
-            verdict(cmps.get(("stock", w, 0.0))), _cell(cells.get((INFERRED, w, 1.0))),
+            "-" if best is None else _verdict(cmps.get((best[1], w, 1.0))),
+            _verdict(cmps.get(("stock", w, 0.0))), _cell(cells.get((INFERRED, w, 1.0))),
             f"{ours['lower_bound_vs_stock']:.2f}"]))
     return out + [""]
 

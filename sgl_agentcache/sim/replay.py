@@ -346,7 +346,9 @@ class _Run:
             self.answered(request, now)
             self.waiting.extend(self.receive_released(self.deferred.pop(self.key(request), []), now))
             return True
-        restored = (self.restored_so_far() - restored_before + self.restore_marks.pop(request.id, 0)) if self.agent else 0
+        restored = 0
+        if self.agent:
+            restored = self.restored_so_far() - restored_before + self.restore_marks.pop(request.id, 0)
         r = self.result
         r.access_log.append(("a", request.id))
         r.requests += 1
