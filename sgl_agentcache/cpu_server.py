@@ -31,6 +31,10 @@ CPU_FLAGS = (
     "--device", "cpu", "--load-format", "dummy", "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch", "--disable-cuda-graph", "--dtype", "float32",
     "--mem-fraction-static", "0.05",
+    # An idle scheduler otherwise busy-polls a core: a few servers alive at once (a test session's
+    # shared server plus a module's own) starve a 2-core machine. This parks it on its sockets
+    # (zmq poll, woken by any request), so nothing waits longer.
+    "--sleep-on-idle",
 )
 
 
