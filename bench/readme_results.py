@@ -35,6 +35,14 @@ def _verdict(c: dict | None) -> str:
     return "-" if c is None else f"{c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}"
 
 
+def _verdict_table(title: str, columns: list[str], workloads, cell) -> list[str]:
+    """A table of seed-by-seed comparisons: a row per workload, ``cell(workload, column index)`` gives
+    each comparison (None: "-")."""
+    out = [f"{title} | " + " | ".join(columns), "---|" + "|".join("---:" for _ in columns)]
+    out += [f"{w} | " + " | ".join(_verdict(cell(w, i)) for i in range(len(columns))) for w in workloads]
+    return out + [""]
+
+
 def _grid(body: dict, pressure: str, host: float) -> list[str]:
     cfg = body["config"]
     workloads = list(cfg["workloads"])
@@ -81,15 +89,8 @@ def _sweep(body: dict) -> list[str]:
     hosts = sorted({c["host_ratio"] for c in body["comparisons"] if c["pressure"] == pressure and c["host_ratio"] > 0})
     cells = {(c["workload"], c["host_ratio"]): c for c in body["comparisons"]
              if c["pressure"] == pressure and c["other"] == "hicache"}
-    out = [f"**ours / hicache, {pressure} pool** | " + " | ".join(f"host {h:g}x" for h in hosts),
-           "---|" + "|".join("---:" for _ in hosts)]
-    for w in cfg["workloads"]:
-        row = []
-        for h in hosts:
-            c = cells.get((w, h))
-            row.append(_verdict(c))
-        out.append(f"{w} | " + " | ".join(row))
-    return out + [""]
+    return _verdict_table(f"**ours / hicache, {pressure} pool**", [f"host {h:g}x" for h in hosts],
+                          cfg["workloads"], lambda w, i: cells.get((w, hosts[i])))
 
 
 def _replay(body: dict) -> list[str]:
@@ -126,15 +127,8 @@ def _inferred(body: dict) -> list[str]:
     if not cells:
         return []
     others = (OURS, "hicache", "stock")
-    out = [f"**ours, inferred (no client hints) / other, {pressure} pool, host 1x** | "
-           + " | ".join(f"/ {o}" for o in others), "---|" + "|".join("---:" for _ in others)]
-    for w in cfg["workloads"]:
-        row = []
-        for o in others:
-            c = cells.get((o, w))
-            row.append(_verdict(c))
-        out.append(f"{w} | " + " | ".join(row))
-    return out + [""]
+    return _verdict_table(f"**ours, inferred (no client hints) / other, {pressure} pool, host 1x**",
+                          [f"/ {o}" for o in others], cfg["workloads"], lambda w, i: cells.get((others[i], w)))
 
 
 def _decisions(body: dict, pressure: str, host: float) -> list[str]:

@@ -344,7 +344,7 @@ class _Run:
         except OfflineRefused:
             self.result.refused_requests += 1  # a new fork of an already-closed parent: never served
             self.answered(request, now)
-            self.waiting.extend(self.receive_released(self.deferred.pop(self.key(request), []), now))
+            self.waiting.extend(self.release_next(self.key(request), now))
             return True
         restored = 0
         if self.agent:
@@ -457,21 +457,23 @@ class _Run:
         if self.timeline and self.done_count % max(len(self.trace.requests) // TIMELINE_SAMPLES, 1) == 0:
             self.sample(now)
         # The branch's next calls are causally next: ahead of anything that waits on them.
-        self.waiting[0:0] = self.receive_released(self.deferred.pop(self.key(request), []), now)
+        self.waiting[0:0] = self.release_next(self.key(request), now)
         self.drain(now)
 
-    def receive_released(self, released: list, now: float) -> list:
-        """The first call held behind its branch's previous one reaches the server now; the rest wait
-        for its answer in turn (one unanswered call per trace branch, as from a client)."""
+    def release_next(self, key: tuple, now: float) -> list:
+        """The first call held behind trace branch ``key``'s previous one reaches the server now (as
+        ``[(call, arrived)]``, or ``[]``); the rest wait for its answer in turn (one unanswered call per
+        trace branch, as from a client)."""
+        released = self.deferred.pop(key, [])
         while released:
             (record, arrived), rest = released[0], released[1:]
             if rest:
-                self.deferred[self.key(record)] = rest
+                self.deferred[key] = rest
             received = self.receive(record, now)
             if received is not None:
                 self.resumed(received, now)
                 return [(received, arrived)]
-            released = self.deferred.pop(self.key(record), [])  # refused: the next one goes instead
+            released = self.deferred.pop(key, [])  # refused: the next one goes instead
         return []
 
     def update_steps(self, keys) -> None:
@@ -551,12 +553,16 @@ class _Run:
             affected = lambda key: key == self.key(event)  # noqa: E731
         return any(affected(key) for key in self.live) or any(affected(key) for key in self.deferred)
 
-    def apply_event(self, event: Event, now: float) -> None:
+    def abort_live(self, event: Event, now: float) -> None:
+        """An abort event ends the branch's running call (a client gone mid-call), if it has one."""
         key = self.key(event)
         if event.kind == "abort" and key in self.live:
             req, request = self.live.pop(key)
             self.driver.abort(req)
             self.answered(request, now)
+
+    def apply_event(self, event: Event, now: float) -> None:
+        self.abort_live(event, now)
         if event.kind == "close_session":
             calls = self.session_calls.pop((event.tenant, event.session), 0)
             if calls:
@@ -590,13 +596,10 @@ class _Run:
                 self.ranking.next_use[b] = math.inf
 
     def on_event_inferred(self, event: Event, now: float) -> None:
-        """Inferred: a client sends no closes; an abort (a client gone mid-call) ends the call only."""
-        key = self.key(event)
-        if event.kind == "abort" and key in self.live:
-            req, request = self.live.pop(key)
-            self.driver.abort(req)
-            self.answered(request, now)
-            self.waiting.extend(self.receive_released(self.deferred.pop(key, []), now))
+        """Inferred: a client sends no closes; an abort ends the call only."""
+        self.abort_live(event, now)
+        if not self.received.get(self.key(event)):  # an abort freed the branch for its next call
+            self.waiting.extend(self.release_next(self.key(event), now))
 
     def answered(self, request: Request, now: float) -> None:
         """A received call ended (answered, refused at admission or aborted)."""
@@ -628,7 +631,7 @@ class _Run:
                 if self.policy.hints and record.kind != "abort":
                     self.result.reclaim_latencies_s.append(now - arrived)
                 if not self.received.get(self.key(record)):  # an abort freed the branch for its next call
-                    self.waiting.extend(self.receive_released(self.deferred.pop(self.key(record), []), now))
+                    self.waiting.extend(self.release_next(self.key(record), now))
             elif not self.try_start(record, arrived, now):
                 return
             self.waiting.pop(0)
