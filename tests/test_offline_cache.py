@@ -244,6 +244,30 @@ def test_a_fork_without_a_fork_point_charges_the_parents_history_it_recomputes_t
     assert_idle_ok(driver)
 
 
+def test_a_closed_parent_leaves_no_fork_point_and_its_refused_fork_changes_no_counter():
+    """Found by the hint fuzzer: a closed branch's late call (its tokens born terminated) recorded a
+    context, so a refused fork of it counted an inferred fork point."""
+    from sgl_agentcache.server.offline import OfflineRefused
+
+    driver = OfflineDriver(pool_tokens=4096)
+    cache = driver.cache
+    hint = {"session": "s", "branch": "main", "stable_prefix_tokens": 10}
+    prompt = ids(100, 50)
+    first = driver.admit("main", prompt, kv_hints=lifecycle_envelope(hint, message_id="m"))
+    driver.finish(first)
+    with driver.activated():
+        assert cache.close_branch(BranchKey("|", "s", "main"))["closed"]
+    late = driver.admit("late", prompt + ids(200, 10), kv_hints=lifecycle_envelope(hint, message_id="m2"))
+    driver.extend(late, [400])
+    driver.finish(late)  # a call of the closed branch: served, born terminated, leaves no context
+    assert len(cache.contexts) == 0
+    with pytest.raises(OfflineRefused, match="is closed"):
+        driver.admit("fork", prompt + ids(200, 10) + [400] + ids(300, 5), kv_hints=lifecycle_envelope(
+            {"session": "s", "branch": "b1", "parent_branch": "main", "stable_prefix_tokens": 10}, message_id="m3"))
+    assert cache.inferred_fork_points == 0
+    assert_idle_ok(driver)
+
+
 def test_branch_contexts_match_only_a_continued_context_and_stay_bounded():
     from sgl_agentcache.fork_points import BranchContexts
 

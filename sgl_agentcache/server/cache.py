@@ -212,6 +212,8 @@ class AgentRadixCache(UnifiedRadixCache):
     def _with_fork_point(self, hint: LifecycleHint, req) -> LifecycleHint:
         """``hint`` with the fork point its prompt shows, if it continues the parent's last context."""
         parent = BranchKey(namespace_of(req), hint.session, hint.parent_branch)
+        if parent in self.closed:  # the fork is refused (or, inferred, runs alone): nothing to find
+            return hint
         found = self.contexts.fork_point(parent, req.origin_input_ids)
         if not found or found <= hint.stable_prefix_tokens:
             return hint
@@ -606,7 +608,8 @@ class AgentRadixCache(UnifiedRadixCache):
             if ((plan.parent is not None and isinstance(req.finished_reason, FINISH_ABORT))
                     or (hint is not None and hint.close and req.finished())):
                 self.close_branch(plan.own.owner)
-            elif req.finished() and not isinstance(req.finished_reason, FINISH_ABORT):
+            elif (req.finished() and not isinstance(req.finished_reason, FINISH_ABORT)
+                  and plan.own.owner not in self.closed):  # a closed branch's late call leaves no context
                 self.contexts.record(plan.own.owner, req.origin_input_ids, req.output_ids)
         if self.tree_core.reclaim_due:  # the request's unlock may have exposed terminated leaves
             self.reclaim_terminated()
