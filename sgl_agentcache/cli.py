@@ -170,6 +170,30 @@ def _cpu_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    import json
+
+    from sgl_agentcache.cluster import Cluster, ClusterError
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        cluster = (Cluster.from_router(args.router, headers=headers) if args.router
+                   else Cluster(args.worker, headers=headers))
+        if args.action == "stats":
+            reply = cluster.stats()
+            status = 200 if reply["workers"] else 502
+        else:
+            try:
+                body = json.loads(args.body)
+            except ValueError as exc:
+                raise UsageError(f"BODY is not JSON: {exc}") from None
+            status, reply = cluster.call("/agentcache/" + args.route.strip("/"), body)
+    except ClusterError as exc:
+        raise UsageError(str(exc)) from None
+    print(json.dumps(reply, indent=2, sort_keys=True))
+    return 0 if status == 200 else 1
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line: ``PROG: error: MESSAGE (see PROG --help)``, exit 2."""
 
@@ -211,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     cpu.add_argument("--remove", action="store_true", help="remove the shims instead")
     cpu.add_argument("--site", metavar="DIR", help="site-packages to install into (default: this environment's)")
     cpu.set_defaults(func=_cpu_setup)
+
+    cl = sub.add_parser("cluster", help="the /agentcache routes of every worker behind SGLang's router: summed "
+                                        "stats, closes and pauses sent to the worker that holds the branch")
+    where = cl.add_mutually_exclusive_group(required=True)
+    where.add_argument("--router", metavar="URL", help="the router: its workers are read from GET /workers")
+    where.add_argument("--worker", metavar="URL", action="append", help="a worker's base URL (repeat for each)")
+    cl.add_argument("--api-key", help="a tenant's (or the operator's) key, sent as Authorization: Bearer")
+    actions = cl.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("stats", help="every worker's /agentcache/stats and their sum, as JSON")
+    post = actions.add_parser("call", help="POST one route to every worker and combine the answers (exit 1 unless 200)")
+    post.add_argument("route", choices=["branch/close", "session/close", "pause", "resume", "prefetch", "admin/purge"],
+                      help="the route under /agentcache/ (its body as on one server: see README, Routes)")
+    post.add_argument("body", help='the route\'s JSON body, e.g. \'{"session": "s1", "branch": "sub-2"}\'')
+    cl.set_defaults(func=_cluster)
 
     key = sub.add_parser("tenant-key", help="print a new tenant API key and the hashed line for the tenants file")
     key.set_defaults(func=_tenant_key)

@@ -5,7 +5,8 @@ native ``/generate`` path the hint travels inside SGLang's ``kv_hints`` envelope
 (``sglang.srt.managers.kv_hints.KvHintsEnvelope``) as one action with
 ``action_type == ACTION_TYPE`` and ``action_version == ACTION_VERSION`` whose ``payload`` is the hint
 object; on OpenAI-compatible endpoints the same object is sent as JSON in the :data:`HINT_HEADER`
-header. Other actions in the envelope belong to other consumers and are ignored.
+header, and through SGLang's router (which forwards neither) as a ``tracestate`` member
+(:mod:`sgl_agentcache.gateway`). Other actions in the envelope belong to other consumers and are ignored.
 
 Payload fields (a JSON object of at most :data:`MAX_PAYLOAD_BYTES` bytes; unknown fields are rejected):
 

@@ -240,6 +240,33 @@ def test_openai_routes_take_the_hint_header(server):
     assert _stats(server) == before
 
 
+def test_a_hint_in_tracestate_is_taken_on_every_generation_route(server, tokens):
+    """What SGLang's router forwards (gateway.py): the hint as a tracestate member, with other vendors'
+    members around it; a kv_hints envelope or our header wins over it; a malformed one is a 400."""
+    from sgl_agentcache.gateway import gateway_headers
+
+    def headers(hint):
+        return {"tracestate": gateway_headers(hint, tracestate="rojo=00f067aa0ba902b7")["tracestate"]}
+
+    status, _ = server.request("POST", "/generate", {"input_ids": tokens.ids(40),
+                               "sampling_params": {"max_new_tokens": 0}}, headers=headers({"session": "ts-gen"}))
+    assert status == 200 and _owned(_stats(server), "ts-gen") == {"main": 40}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "run the tests"}], "max_tokens": 2}
+    assert server.request("POST", "/v1/chat/completions", chat, headers=headers({"session": "ts-chat"}))[0] == 200
+    assert _owned(_stats(server), "ts-chat").get("main", 0) > 0
+    both = headers({"session": "ts-loser"}) | {"x-sgl-agentcache-hint": '{"session": "ts-winner"}'}
+    assert server.request("POST", "/v1/chat/completions", chat, headers=both)[0] == 200
+    owned = _stats(server)
+    assert _owned(owned, "ts-winner") and not _owned(owned, "ts-loser")
+    before = _stats(server)
+    for route, body in (("/generate", {"input_ids": tokens.ids(8), "sampling_params": {"max_new_tokens": 1}}),
+                        ("/v1/chat/completions", chat)):
+        status, reply = server.request("POST", route, body, headers={"tracestate": "sgl-agentcache=not*b64"})
+        assert status == 400 and "tracestate" in str(reply), (route, reply)
+    assert _stats(server) == before
+    _assert_integrity(server)
+
+
 def test_context_edit_reclaims_the_old_suffix_and_keeps_reuse_exact(server, tokens):
     history = tokens.ids(400)
     assert _gen(server, history, {"session": "edit"}, max_new_tokens=0)[0] == 200

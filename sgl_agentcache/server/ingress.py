@@ -6,6 +6,9 @@
 - OpenAI-compatible routes drop unknown body fields, so the hint comes as JSON in the
   ``x-sgl-agentcache-hint`` header; an AFTER hook on ``_convert_to_internal_request`` turns it into the
   same envelope (and rejects a malformed header with 400).
+- Through SGLang's router, which forwards neither, the hint rides in a W3C ``tracestate`` member
+  (:mod:`sgl_agentcache.gateway`), on every generation route. Precedence: a ``kv_hints`` envelope,
+  then our header, then ``tracestate``; whichever carries the hint is validated the same way.
 
 The scheduler parses the hint again from ``req.kv_hints`` (cheap) and falls back to untagged state if
 it were ever invalid there, so no request can crash a scheduler through a hint.
@@ -143,6 +146,10 @@ def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
         path = getattr(getattr(request, "url", None), "path", None)
         check_prompt_ids(getattr(obj, "input_ids", None), vocab, _IDS_FIELD.get(path, "input_ids"))
     inferred = False
+    if not getattr(obj, "kv_hints", None) and request is not None and hasattr(obj, "kv_hints"):
+        hint = _header_hint(request)  # /generate through SGLang's router: the hint rides in tracestate
+        if hint is not None:
+            obj.kv_hints = lifecycle_envelope(_fields(hint), message_id=uuid.uuid4().hex)
     if getattr(obj, "kv_hints", None):
         from sgl_agentcache.server import chat_hooks
 
@@ -252,27 +259,42 @@ async def _on_finish(gen, namespace: str, hint):
 
 def _after_convert_to_internal_request(result, serving, request, raw_request=None, *args, **kwargs):
     _refuse_admin_generation(raw_request)
-    values = raw_request.headers.getlist(HINT_HEADER) if raw_request is not None else []
-    if not values:
+    hint = _header_hint(raw_request)
+    if hint is None:
         from sgl_agentcache.server import chat_hooks
 
         if chat_hooks.enabled() and type(serving).__name__ == "OpenAIServingChat":
             chat_hooks.infer(result[0], serving, request, raw_request)  # an explicit hint always wins
         return result
+    _check_header_credential(hint, raw_request)
+    adapted, original = result
+    adapted.kv_hints = lifecycle_envelope(_fields(hint), message_id=uuid.uuid4().hex)
+    return adapted, original
+
+
+def _fields(hint) -> dict:
+    return {f: getattr(hint, f) for f in hint.__struct_fields__}
+
+
+def _header_hint(raw_request):
+    """The hint a request carries in a header: ours (``x-sgl-agentcache-hint``), else a member of its
+    W3C ``tracestate`` (what SGLang's router forwards; see :mod:`sgl_agentcache.gateway`). ``ValueError``
+    (-> 400) naming the header when the one that carries it is malformed; None when neither does."""
+    from sgl_agentcache.gateway import TRACESTATE_HEADER, hint_from_tracestate
+
+    if raw_request is None:
+        return None
+    values = raw_request.headers.getlist(HINT_HEADER)
     if len(values) > 1:
         raise ValueError(f"invalid {HINT_HEADER} header: sent {len(values)} times; send one hint")
-    value = values[0]
-    adapted, original = result
     try:
-        hint = parse_header(value)
+        hint = parse_header(values[0]) if values else hint_from_tracestate(raw_request.headers.getlist(TRACESTATE_HEADER))
     except HintError as exc:
-        raise ValueError(f"invalid {HINT_HEADER} header: {exc}") from None
-    if hint.inferred:
-        raise ValueError(f"invalid {HINT_HEADER} header: `inferred` is set by the server only")
-    _check_header_credential(hint, raw_request)
-    fields = {f: getattr(hint, f) for f in hint.__struct_fields__}
-    adapted.kv_hints = lifecycle_envelope(fields, message_id=uuid.uuid4().hex)
-    return adapted, original
+        raise ValueError(f"invalid {HINT_HEADER if values else TRACESTATE_HEADER} header: {exc}") from None
+    if hint is not None and hint.inferred:
+        raise ValueError(f"invalid {HINT_HEADER if values else TRACESTATE_HEADER} header: "
+                         f"`inferred` is set by the server only")
+    return hint
 
 
 def _refuse_admin_generation(raw_request) -> None:
