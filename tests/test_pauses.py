@@ -77,7 +77,7 @@ class Harness:
         assert host.used_tokens == sum(e.num_tokens for e in host.entries.values())
         assert set(host.entries) <= set(self.cache.pauses.records)
         anchored = sum(1 for e in host.entries.values() if e.anchor is not None)
-        assert sum(self.cache.pauses.anchors.values()) == anchored  # every anchor belongs to a live copy
+        assert sum(self.cache.copies.anchors.values()) == anchored  # every anchor belongs to a live copy
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -302,7 +302,7 @@ def test_any_failure_of_a_restore_in_the_match_falls_back_to_recompute(where):
     if where == "promote":  # a bare ValueError, raised before the copy (promote's own length check)
         pauses.host.fail_next("promote", unexpected=True)
     elif where == "restore":  # anything at all, caught by match_prefix itself
-        armed = _raise_once(pauses, "_restore")
+        armed = _raise_once(pauses.copies, "restore")
     else:
         armed = _raise_once(h.cache, "insert", after=where == "insert-after")
     again = h.turn("u", prompt + [3], [4])
@@ -448,7 +448,7 @@ def test_a_copy_hung_from_a_closed_siblings_prefix_is_still_restored():
     assert h.cache.pauses.counters["restore_failures"]["gap"] == 0
     with h.driver.activated():
         h.cache.close_branch(BranchKey(NS, "p", "w2"))
-    assert not h.cache.pauses.anchors
+    assert not h.cache.copies.anchors
     h.assert_clean()
 
 
@@ -585,12 +585,12 @@ def test_flush_cache_drops_every_pause_and_host_copy_with_the_tree():
     assert h.pause("kept", force=PauseAction.KEEP)["action"] == "keep"
     with h.driver.activated():
         h.cache.close_branch(BranchKey(NS, "gone", "main"))
-    assert h.cache.pauses.host.used_tokens > 0 and h.cache.pauses.anchors
+    assert h.cache.pauses.host.used_tokens > 0 and h.cache.copies.anchors
 
     h.driver.flush_cache()
 
     pauses = h.cache.pauses
-    assert not pauses.records and not pauses.kept and not pauses.anchors
+    assert not pauses.records and not pauses.kept and not pauses.copies.anchors
     assert pauses.host.used_tokens == 0 and pauses.host.used_bytes == 0 and not pauses.host.entries
     assert h.driver.free_tokens() == h.driver.pool_tokens
     h.assert_clean()
@@ -643,9 +643,9 @@ def test_when_eviction_takes_the_prefix_a_copy_hangs_from_the_prefix_joins_the_c
     lead, fork_prompt, moved = _offloaded_subagent(h, "s", 80, 300, 100)
     worker = BranchKey(NS, "s", "w")
     pauses = h.cache.pauses
-    assert pauses.anchors and pauses.host.tokens_of(worker) == moved
+    assert pauses.copies.anchors and pauses.host.tokens_of(worker) == moved
     _evict_everything(h)  # nothing evictable is left
-    assert h.cache.evictable_size() == 0 and not pauses.anchors  # the copy now starts at token 0
+    assert h.cache.evictable_size() == 0 and not pauses.copies.anchors  # the copy now starts at token 0
     entry = pauses.host.entries[worker]
     assert entry.start == 0 and pauses.host.tokens_of(worker) == len(fork_prompt) + 1
     assert pauses.counters["anchor_spills"] >= 2
@@ -722,7 +722,7 @@ def test_an_offload_that_frees_less_than_it_copied_is_handled_not_asserted():
     second = prompt + [3] + ids(700, 20)
     h.turn("l", second, [4])
     branch = BranchKey(NS, "l", "main")
-    chain = pauses.movable_suffix(branch)
+    chain = pauses.copies.movable_suffix(branch)
     assert [len(n.key) for n in chain] == [300 - STABLE, 21]
     demote, held = pauses.host.demote, {}
 

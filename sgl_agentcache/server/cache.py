@@ -121,6 +121,8 @@ class AgentRadixCache(UnifiedRadixCache):
         self.context_edit_freed_tokens = 0
         self.pauses = PauseBook(self, default_settings(self.token_to_kv_pool_allocator, pool),
                                 HostTier(self.token_to_kv_pool_allocator, host_capacity_tokens(pool)))
+        # Paused branches' host copies: the cache sees only their anchors and spill_anchor.
+        self.copies = self.pauses.copies
         # Evicted nodes kept on the host tier and loaded back on a later match (HiCache's write-back
         # semantics; HiCache itself never runs beside this cache, see server/topology.py).
         self.spill = SpillTier(self, self.pauses.host, enabled=False)
@@ -155,10 +157,10 @@ class AgentRadixCache(UnifiedRadixCache):
         self.eviction_key = self._lifecycle_key if key is None else key
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
-        state, pauses = node.agent, self.pauses
+        state, anchors = node.agent, self.copies.anchors
         owner = state.owner
-        return eviction_rank(state, session_ref, base_priority, owner in pauses.kept,
-                             bool(pauses.anchors) and node in pauses.anchors,
+        return eviction_rank(state, session_ref, base_priority, owner in self.pauses.kept,
+                             bool(anchors) and node in anchors,
                              owner is not None and not state.terminated and self.over_quota(owner))
 
     def branch_tokens(self, branch: BranchKey) -> int:
@@ -532,8 +534,8 @@ class AgentRadixCache(UnifiedRadixCache):
         if not core.reclaimable():  # runs every scheduler step: the common case must cost ~nothing
             return 0
         # A terminated node a live host copy hangs from stays until that copy is restored or dropped
-        # (PauseBook.drop_host reclaims it then): freeing it would turn the restore into a recompute.
-        anchors = self.pauses.anchors
+        # (HostCopies.drop reclaims it then): freeing it would turn the restore into a recompute.
+        anchors = self.copies.anchors
         freed = self._evict_nodes(core.terminated.difference(anchors) if anchors else core.terminated, budget=None)
         core.reclaimed()  # after, not before: the parents this reclaim exposed were candidates too
         self.freed_on_close_tokens += freed
@@ -544,10 +546,10 @@ class AgentRadixCache(UnifiedRadixCache):
         and is a candidate follows) until ``budget`` tokens are freed or none is left.
 
         Deleted, never written to host (state nobody will read again), except a node host copies hang
-        from, which is spilled into them first (``PauseBook.spill_anchor``). Ties are broken by node
+        from, which is spilled into them first (``HostCopies.spill_anchor``). Ties are broken by node
         id so every rank picks the same victims.
         """
-        core, anchors = self.tree_core, self.pauses.anchors
+        core, anchors = self.tree_core, self.copies.anchors
         members = set(candidates)
         heap = [(n.last_access_time, n.id, n) for n in members if core.is_device_leaf(n)]
         heapq.heapify(heap)
@@ -557,7 +559,7 @@ class AgentRadixCache(UnifiedRadixCache):
             if not core.is_device_leaf(node):
                 continue
             if anchors and node in anchors:  # as in stock eviction (_evict_device_leaf)
-                self.pauses.spill_anchor(node)
+                self.copies.spill_anchor(node)
             parent = node.parent
             result = core.evict_device_leaf(node.id, is_write_back=False)
             self._apply_eviction_result(result)
@@ -571,7 +573,7 @@ class AgentRadixCache(UnifiedRadixCache):
         first spilled into them; with the node spill on, the leaf itself is copied to host (an over-quota
         branch's leaf only into free host room: it cannot crowd other branches off the host tier either;
         ``quota_trimmed_tokens`` counts what went without a copy)."""
-        anchors, spill = self.pauses.anchors, self.spill
+        anchors, spill = self.copies.anchors, self.spill
         node = self.tree_core.node_by_id(node_id)
         state = node.agent
         trimmed = state.owner is not None and not state.terminated and self.over_quota(state.owner)
@@ -580,7 +582,7 @@ class AgentRadixCache(UnifiedRadixCache):
                 self.quota_trimmed_tokens += len(node.key)
             return super()._evict_device_leaf(node_id, tracker)
         if anchors and node in anchors:
-            self.pauses.spill_anchor(node)
+            self.copies.spill_anchor(node)
         if not spill.spill(node, low_value=trimmed) and trimmed:
             self.quota_trimmed_tokens += len(node.key)
         try:

@@ -83,7 +83,7 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
             evictable += len(slots)
 
     if agent_state:
-        errors.extend(_check_ownership(core, nodes, idle=idle, anchors=cache.pauses.anchors))
+        errors.extend(_check_ownership(core, nodes, idle=idle, anchors=cache.copies.anchors))
         errors.extend(_check_host(cache, set(nodes)))
 
     if evictable != cache.evictable_size():

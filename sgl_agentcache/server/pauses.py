@@ -25,27 +25,17 @@ of its path that nothing else holds (unlocked, no other device children; never t
 - KEEP: the branch is pinned: its nodes rank above every unpinned node for eviction, until resume,
   deadline or close. Pins are capped per namespace (branches and tokens); over the cap KEEP degrades
   to OFFLOAD (or DISCARD without host room) and the clip is counted.
-- OFFLOAD: the suffix is copied to the host tier and its device slots are freed; a few small nodes
-  above it (usually other branches') are copied too but stay (the lead-in, see ``_lead_in``). Resume
-  (the branch's next request when the scheduler matches it, the resume route or a prefetch) allocates
-  slots, copies back what the device lost and re-inserts the nodes with their classes and owner. A
-  full host tier or a failed copy falls back to DISCARD.
+- OFFLOAD: the suffix is copied to the host tier and its device slots are freed. Resume (the
+  branch's next request when the scheduler matches it, the resume route or a prefetch) copies back
+  what the device lost. A full host tier or a failed copy falls back to DISCARD.
 - DISCARD: every unlocked node the branch owns is freed now; resume re-prefills.
 - RELEASE: DISCARD plus the host copy; the pause is over (deadline passed, nothing worth keeping).
 
-The node a copy hangs from (its *anchor*) ranks like a stable prefix. When stock eviction takes it
-anyway (every lower-ranked leaf is gone), its KV is first copied in front of each copy hanging from
-it (``spill_anchor``), which then hangs from the node's parent: under pressure a copy grows upward
-instead of losing its prefix, within the branch's quota and the host tier's room.
-
-A resumed request's copy comes back when the scheduler matches the request for a batch; with no room
-then (running requests hold the pool) it stays on host, the pause ``resuming``, and is tried again at
-the request's next match. Restores that cannot happen (the prefix the suffix hangs from is gone, the
-request started without room for it, a failed copy) delete the host copy and leave the request to
-recompute: nothing leaks, and each case is counted. No failure of a copy or a re-insert, expected or
-not, reaches the scheduler. Whether a copy worked is agreed by every TP rank before anyone acts on it
-(``AgentRadixCache.agree``): a copy that failed on one rank makes every rank take the fallback, so the
-ranks' trees never diverge.
+The moves themselves -- the movable suffix, the copy out and back, the anchors copies hang from --
+are :mod:`sgl_agentcache.server.host_copies` (``PauseBook.copies``); this module decides and keeps the
+pause records, pins and prefetch. A resumed request's copy comes back when the scheduler matches the
+request for a batch; with no room then (running requests hold the pool) it stays on host, the pause
+``resuming``, and is tried again at the request's next match.
 """
 
 from __future__ import annotations
@@ -56,18 +46,15 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sgl_agentcache.lifecycle import BranchKey, NodeClass
+from sgl_agentcache.lifecycle import BranchKey
 from sgl_agentcache.policy.distributions import LatencyDistribution
 from sgl_agentcache.policy.pause import Incumbent, PauseAction, PauseDecision, PauseInputs, Placement, PolicyConfig, decide
+from sgl_agentcache.server.host_copies import HostCopies
 from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 
 logger = logging.getLogger(__name__)
-FULL = ComponentType.FULL
 
 MAX_KEPT_BRANCHES_ENV = "AGENTCACHE_MAX_KEPT_BRANCHES"      # per namespace, default 16
 MAX_KEPT_TOKENS_ENV = "AGENTCACHE_MAX_KEPT_TOKENS"          # per namespace, default pool / 2
@@ -82,8 +69,6 @@ MEASURED_BANDWIDTH_ENV = "AGENTCACHE_USE_MEASURED_BANDWIDTH"
 #: out and frees it, discard frees it, keep pins it).
 PAUSE_MODE_ENV = "AGENTCACHE_PAUSE_MODE"
 MIN_MEASURED_TRANSFERS = 4
-#: Tokens of other branches' small nodes copied just above an offloaded suffix (see PauseBook._lead_in).
-LEAD_IN_TOKENS = 64
 
 
 @dataclass
@@ -161,10 +146,6 @@ def _path_key(path: tuple):
     return RadixKey(array("q", tokens), extra_key, cache_salt=salt)
 
 
-def _key_tokens(key) -> array:
-    return array("q", key.token_ids[: len(key)])
-
-
 class PauseBook:
     """The scheduler's pause state for one cache (see the module docstring)."""
 
@@ -174,8 +155,6 @@ class PauseBook:
         self.host = host
         self.records: dict[BranchKey, PauseRecord] = {}
         self.kept: dict[BranchKey, int] = {}  # pinned branch -> tokens pinned
-        # Device nodes host copies hang from -> how many copies (they rank like a stable prefix).
-        self.anchors: dict = {}
         self.counters = {"decisions": {a.value: 0 for a in PauseAction}, "forced": 0, "kept_clipped": 0,
                          "refused_closed": 0, "too_small": 0,
                          "offload_fallbacks": {"host_full": 0, "transfer_failed": 0},
@@ -192,37 +171,7 @@ class PauseBook:
         self._outcomes: dict[str, deque] = {}  # namespace -> recent prefetch outcomes (True = used)
         self._refused_since_probe: dict[str, int] = {}
         self.log: deque = deque(maxlen=256)  # recent decisions with their inputs, for /agentcache/stats
-
-    # ---- tree views ----
-
-    def _tip(self, branch: BranchKey):
-        """The deepest device-resident node ``branch`` owns (its path's end), or None."""
-        core = self.cache.tree_core
-        best, best_depth = None, -1
-        for node in core.owner_index.get(branch, ()):
-            if node.component_data[FULL].value is None or node.agent.terminated:
-                continue
-            depth = core.depth(node) + len(node.key)
-            if (depth, node.id) > (best_depth, -1 if best is None else best.id):
-                best, best_depth = node, depth
-        return best
-
-    def movable_suffix(self, branch: BranchKey) -> list:
-        """Top-down chain of the branch's own nodes at the end of its path that can leave the device:
-        unlocked, with no other resident children, and no other host copy hanging from them."""
-        core = self.cache.tree_core
-        chain, node, below = [], self._tip(branch), None
-        while node is not None and node is not core.root_node:
-            data = node.component_data[FULL]
-            if node.agent.owner != branch or node.agent.terminated or data.value is None or data.lock_ref > 0:
-                break
-            if node in self.anchors:  # another branch's host copy hangs from it (a sibling's shared preamble)
-                break
-            if any(c is not below and c.component_data[FULL].value is not None for c in node.children.values()):
-                break
-            chain.append(node)
-            below, node = node, node.parent
-        return chain[::-1]
+        self.copies = HostCopies(cache, host, self.counters)  # the moves between device and host
 
     def _namespace_kept(self, namespace: str) -> tuple[int, int]:
         mine = [t for b, t in self.kept.items() if b.namespace == namespace]
@@ -255,7 +204,7 @@ class PauseBook:
         ``measured`` is the sender's copy of rank 0's :meth:`measured` bandwidths (message data, so
         every rank decides with the same figures); used when ``use_measured_bandwidth`` is on."""
         record = self.records.get(branch)
-        suffix = self.movable_suffix(branch)
+        suffix = self.copies.movable_suffix(branch)
         tokens = sum(len(n.key) for n in suffix)
         placement = Placement.DEVICE
         previous = None
@@ -315,7 +264,7 @@ class PauseBook:
         if write_through:
             if action is not PauseAction.OFFLOAD:
                 raise ValueError("write_through applies to OFFLOAD only")
-            moved = self._offload(branch, evict=False)
+            moved = self.copies.offload(branch, evict=False)
             applied = PauseAction.OFFLOAD if moved is not None else PauseAction.KEEP
             moved = moved or 0
         else:
@@ -364,11 +313,11 @@ class PauseBook:
         first (DISCARD: not worth displacing anything). Its next request loads back what was spilled
         when it is matched; a prefetch loads it back earlier. Nothing is pinned: measured on the replay
         suite, moving or pinning at the pause cost more recompute than it saved (module docstring)."""
-        tip = self._tip(branch)
-        tokens = sum(len(n.key) for n in self.movable_suffix(branch))
+        tip = self.copies.tip(branch)
+        tokens = sum(len(n.key) for n in self.copies.movable_suffix(branch))
         self.kept.pop(branch, None)
         record = PauseRecord(branch, tool_class, Placement.DEVICE, decision, tokens, advice=action,
-                             path=self._path_of(tip) if tip is not None else None)
+                             path=self.copies.path_of(tip) if tip is not None else None)
         self.records[branch] = record
         self.counters["decisions"][action.value] += 1
         self.cache.spill.advise(branch, action)
@@ -378,13 +327,6 @@ class PauseBook:
         self.log.append(entry)
         logger.info("agentcache pause %s/%s (%s, lazy): %s", branch.session, branch.branch, tool_class, decision.reason)
         return {"paused": True} | entry
-
-    def _path_of(self, node) -> tuple:
-        """(tokens, extra_key, cache_salt) of the path from the root to the end of ``node``."""
-        path, tokens = self.cache.tree_core.path_to(node), array("q")
-        for part in path:
-            tokens.extend(_key_tokens(part.key))
-        return tokens, path[0].key.extra_key, path[0].key.cache_salt
 
     def _cap(self, name: str, caps: dict | None) -> int:
         """A server-wide cap, lowered (never raised) by a tenant's ceiling of the same name."""
@@ -397,9 +339,9 @@ class PauseBook:
         the tokens it concerned."""
         if action is PauseAction.KEEP:
             if placement is Placement.HOST:
-                if self._restore(branch) == 0:
+                if self.copies.restore(branch) == 0:
                     return self._apply(branch, PauseAction.DISCARD, Placement.NONE)
-            tokens = sum(len(n.key) for n in self.movable_suffix(branch))
+            tokens = sum(len(n.key) for n in self.copies.movable_suffix(branch))
             count, pinned = self._namespace_kept(branch.namespace)
             pinned -= self.kept.get(branch, 0)
             count -= branch in self.kept
@@ -415,270 +357,18 @@ class PauseBook:
         if action is PauseAction.OFFLOAD:
             if placement is Placement.HOST:
                 return PauseAction.OFFLOAD, self.host.tokens_of(branch)
-            moved = self._offload(branch)
+            moved = self.copies.offload(branch)
             if moved is None:
                 return self._apply(branch, PauseAction.DISCARD, placement)
             return PauseAction.OFFLOAD, moved
-        freed = self._drop_host(branch) + self._discard(branch)
+        freed = self.copies.drop(branch) + self.copies.discard(branch)
         if action is PauseAction.RELEASE:  # every tier: what eviction spilled of it too
             self.cache.spill.advise(branch, None)
             freed += self.cache.spill.drop_owner(branch)
             self.counters["released_tokens"] += freed
         return action, freed
 
-    def _drop_host(self, branch: BranchKey) -> int:
-        """Delete ``branch``'s host copy and release its anchor; returns the tokens freed on host. An
-        anchor whose own branch ended was kept only for this copy: it is reclaimed now if nothing else
-        holds it (see ``AgentRadixCache.reclaim_terminated``)."""
-        entry = self.host.entries.get(branch)
-        freed = self.host.delete(branch)
-        if entry is not None and entry.anchor is not None:
-            anchor = entry.anchor
-            if not self._unhang(entry) and anchor.agent.terminated:
-                self.cache.tree_core.mark_reclaim_due()
-                self.cache.reclaim_terminated()
-        return freed
-
-    def _hang(self, entry, anchor) -> None:
-        """Record that ``entry`` continues the device node ``anchor`` (protected while the copy exists)."""
-        if anchor is self.cache.tree_core.root_node:
-            entry.anchor = entry.anchor_owner = None
-            return
-        entry.anchor, entry.anchor_owner = anchor, anchor.agent.owner
-        self.anchors[anchor] = self.anchors.get(anchor, 0) + 1
-
-    def _unhang(self, entry) -> int:
-        """``entry`` no longer hangs from its anchor; returns how many copies still do."""
-        anchor, entry.anchor, entry.anchor_owner = entry.anchor, None, None
-        left = self.anchors.get(anchor, 0) - 1
-        if left > 0:
-            self.anchors[anchor] = left
-        else:
-            self.anchors.pop(anchor, None)
-        return max(left, 0)
-
-    def spill_anchor(self, node) -> None:
-        """Eviction is about to take ``node``, which host copies hang from: stock eviction once every
-        leaf ranked below it is gone (it ranks like a stable prefix; running requests hold the rest of
-        the pool), or its own branch's discard, release or quota. Rather than leave those copies with a
-        gap, copy the node's KV in front of each and let it hang from the node's parent. A copy keeps
-        its gap when the host tier is full, the copy fails, or the branch would go over its quota (host
-        tokens count toward it)."""
-        cache, core = self.cache, self.cache.tree_core
-        entries = [(b, e) for b, e in self.host.entries.items() if e.anchor is node]
-        depth = core.depth(node)
-        copies: dict[int, object] = {}  # tokens -> one host copy, shared by the copies that need as many
-        for branch, entry in entries:
-            n = entry.start - depth  # a copy's lead-in may hold the node's tail (or all of it) already
-            if n > 0:
-                if cache.branch_tokens(branch) + entry.num_tokens + n > cache.quota_of(branch):
-                    self.counters["anchor_spill_refused"]["quota"] += 1
-                    continue
-                if not self.host.has_room(n):  # checked before copying: a refused spill copies nothing
-                    self.counters["anchor_spill_refused"]["host_full"] += 1
-                    continue
-                if n not in copies:
-                    kv, failure = None, None
-                    try:
-                        kv = self.host.copy_out(node.component_data[FULL].value[:n])
-                    except Exception as exc:  # noqa: BLE001 - the copy keeps its gap
-                        failure = exc
-                    if not self.cache.agree(failure is None):  # here or on another rank: no rank spills
-                        logger.info("agentcache: spill of %d prefix tokens into %s/%s's copy failed%s: %s", n,
-                                    branch.session, branch.branch,
-                                    "" if failure is not None else " on another rank", failure)
-                        self.counters["anchor_spill_refused"]["transfer_failed"] += 1
-                        continue
-                    copies[n] = kv
-                    self.counters["anchor_spill_copied_tokens"] += n
-                self.host.prepend(entry, node.agent, copies[n], n)
-                self.counters["anchor_spilled_tokens"] += n
-            self._unhang(entry)
-            self._hang(entry, self._in_front_of(node, depth, entry.start))
-            self.counters["anchor_spills"] += 1
-
-    def _in_front_of(self, node, depth: int, start: int):
-        """The deepest ancestor of ``node`` (whose key starts at offset ``depth``) holding tokens before
-        offset ``start``: what a copy starting there hangs from (the root: nothing)."""
-        root, anchor = self.cache.tree_core.root_node, node.parent
-        while anchor is not root and depth - len(anchor.key) >= start:
-            depth -= len(anchor.key)
-            anchor = anchor.parent
-        return anchor
-
-    def _discard(self, branch: BranchKey) -> int:
-        core = self.cache.tree_core
-        return self.cache._evict_nodes(core.owner_index.get(branch, ()), budget=None)
-
-    def _lead_in(self, chain: list) -> list:
-        """Small nodes just above ``chain`` (not the stable prefix; usually other branches'), at most
-        LEAD_IN_TOKENS in all, top-down. They are copied with the suffix but stay on the device, and
-        count as the branch's host tokens (its quota) while the copy exists. They are what a fork's
-        copy most often loses -- the parent's last output token, which the fork inserted and the
-        parent's own copy ends before; a preamble a sibling created -- and a restore copies them back
-        only if the device lost them. Only the node the suffix hangs from is
-        protected as the anchor: protecting the whole lead-in costs more than it saves (replayer,
-        branch_heavy under a tight pool, 3 seeds: 0.53x of stock's recompute against 0.40x)."""
-        core, lead_in, total = self.cache.tree_core, [], 0
-        node = chain[0].parent
-        while node is not core.root_node and node.agent.cls is not NodeClass.STABLE:
-            total += len(node.key)
-            if total > LEAD_IN_TOKENS or node.component_data[FULL].value is None:
-                break
-            lead_in.append(node)
-            node = node.parent
-        return lead_in[::-1]
-
-    def _offload(self, branch: BranchKey, evict: bool = True) -> int | None:
-        """Copy the movable suffix (with its lead-in, see :meth:`_lead_in`) to host and (``evict``) free
-        the suffix's device slots; returns the tokens freed (or copied, without ``evict``), None if it
-        could not be stored."""
-        chain = self.movable_suffix(branch)
-        if not chain:
-            return 0
-        copied = self._lead_in(chain) + chain
-        path = self.cache.tree_core.path_to(chain[-1])
-        tokens, segments, offset = array("q"), [], 0
-        first = path.index(copied[0])
-        for i, node in enumerate(path):
-            if i == first:
-                start = offset
-            if i >= first:
-                segments.append((offset, node.agent))
-            tokens.extend(_key_tokens(node.key))
-            offset += len(node.key)
-        indices = torch.cat([n.component_data[FULL].value for n in copied])
-        key = chain[-1].key
-        self._drop_host(branch)
-        failure = None
-        try:
-            entry = self.host.demote(branch, tokens, key.extra_key, key.cache_salt, start, segments, indices)
-        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
-            entry, failure = None, exc
-        if not self.cache.agree(failure is None):  # failed here or on another rank: every rank discards
-            if entry is not None:
-                self.host.delete(branch)
-            logger.warning("agentcache: offload of %s/%s failed%s, discarding instead: %s", branch.session,
-                           branch.branch, "" if failure is not None else " on another rank", failure)
-            self.counters["offload_fallbacks"]["transfer_failed"] += 1
-            return None
-        if entry is None:
-            self.counters["offload_fallbacks"]["host_full"] += 1
-            return None
-        # The anchor (protected while the copy exists) is the node the suffix hangs from, not the top
-        # of the lead-in: the lead-in is insurance against losing it, not a reason to protect more.
-        self._hang(entry, chain[0].parent)
-        moved = sum(len(n.key) for n in chain)
-        if not evict:
-            return moved
-        freed = self.cache._evict_nodes(chain, budget=None)
-        if freed != moved:
-            # Some of the suffix stayed on the device (a node locked or kept since the copy, e.g. by a
-            # backup in flight): the copy stays whole, and a restore copies back only what the device
-            # lost. Counted; the tokens reported are those actually freed.
-            self.counters["offload_partial"] += 1
-            logger.info("agentcache: offload of %s/%s freed %d of its %d suffix tokens; the rest stays on "
-                        "the device", branch.session, branch.branch, freed, moved)
-        return freed
-
     # ---- resume, prefetch, deadline, close ----
-
-    def _restore(self, branch: BranchKey, keep_host: bool = False, _chain: frozenset = frozenset(),
-                 defer: bool = False) -> int | None:
-        """Bring ``branch``'s host copy back into the tree; returns tokens restored (0: recompute).
-        The host copy is deleted, unless ``keep_host`` (a speculative or fork-driven restore keeps it
-        until the branch resumes, whether it succeeded or not: if the device copy is evicted again
-        meanwhile, or the prefix or the room was missing this time, a later restore can still serve).
-        With ``defer`` (a restore for a waiting request), a lack of room is not a failure yet: the copy
-        stays and None says "try again at the request's next match"."""
-        entry = self.host.entries.get(branch)
-        if entry is None:
-            return 0
-        cache, core = self.cache, self.cache.tree_core
-        key = RadixKey(entry.tokens, entry.extra_key, cache_salt=entry.cache_salt)
-        match = cache.match_prefix(MatchPrefixParams(key=key))
-        have = match.device_prefix_len
-        parent = entry.anchor_owner
-        if have < entry.start and parent is not None and parent in self.host.entries and parent not in _chain:
-            # The prefix this copy hangs from is the parent's, and the parent has a host copy too (a
-            # lead offloaded while its subagents ran): bring the parent back first.
-            self._restore(parent, keep_host=True, _chain=_chain | {branch})
-            match = cache.match_prefix(MatchPrefixParams(key=key))
-            have = match.device_prefix_len
-            self.counters["parent_restores"] += 1
-        if have < entry.start:
-            self.counters["restore_failures"]["gap"] += 1
-            logger.info("agentcache: restore of %s/%s: only %d of the %d prefix tokens it hangs from are "
-                        "resident%s", branch.session, branch.branch, have, entry.start,
-                        "; the copy is kept for a later try" if keep_host else "; recomputing")
-            if not keep_host:  # a kept copy (a paused parent's) may still serve once the prefix is back
-                self._drop_host(branch)
-            return 0
-        if have >= entry.end:
-            if not keep_host:
-                self._drop_host(branch)
-            return 0
-        first = entry.first_missing(have)
-        begin = entry.segments[first][0]  # copy back from the segment the device lost first
-        n = entry.end - begin
-        allocator = cache.token_to_kv_pool_allocator
-        lock = cache.lock(match.last_device_node)  # the prefix we hang from must survive the eviction
-        try:
-            short = n - allocator.available_size()
-            # Evict only if that makes room: an eviction that still leaves too little frees KV other
-            # requests may need and restores nothing (running requests hold the rest of the pool).
-            if 0 < short <= cache.evictable_size():
-                cache.evict(EvictParams(num_tokens=short))
-            new = allocator.alloc(n) if allocator.available_size() >= n else None
-        finally:
-            cache.unlock(lock)
-        if new is None and defer:
-            self.counters["restores_deferred"] += 1
-            return None
-        if new is None:
-            self.counters["restore_failures"]["no_room"] += 1
-            logger.info("agentcache: restore of %s/%s: no room for %d tokens%s", branch.session, branch.branch, n,
-                        "; the copy is kept for a later try" if keep_host else "; recomputing")
-            if not keep_host:
-                self._drop_host(branch)
-            return 0
-        failure = None
-        try:
-            self.host.promote(entry, first, new)
-        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
-            failure = exc
-        if not self.cache.agree(failure is None):  # failed here or on another rank: every rank recomputes
-            logger.warning("agentcache: restore of %s/%s failed%s, recomputing: %s", branch.session, branch.branch,
-                           "" if failure is not None else " on another rank", failure)
-            allocator.free(new)
-            self.counters["restore_failures"]["transfer_failed"] += 1
-            self._drop_host(branch)
-            return 0
-        prefix = cache.path_device_indices(match.last_device_node)[:begin]
-        core.insert_state = entry.state_at(begin)
-        try:
-            result = cache.insert(InsertParams(key=key, value=torch.cat([prefix.to(new.dtype), new]),
-                                               prev_prefix_len=begin))
-        except Exception:  # noqa: BLE001 - the copy is lost, the request recomputes, no slot leaks
-            logger.exception("agentcache: re-inserting %s/%s's restored KV failed; recomputing", branch.session,
-                             branch.branch)
-            cache.free_unheld(key, new)
-            core.take_fresh()
-            self.counters["restore_failures"]["error"] += 1
-            self._drop_host(branch)
-            return 0
-        finally:
-            core.insert_state = None
-        fresh = core.take_fresh()
-        bounds = [s for s, _ in entry.segments[1:]]
-        cache.classify_created(result.last_device_node, fresh, bounds,
-                               lambda node, start: core.set_state(node, entry.state_at(start)))
-        if not keep_host:
-            self._drop_host(branch)
-        restored = entry.end - max(result.prefix_len, begin)
-        self.counters["restores"] += 1
-        self.counters["restored_tokens"] += restored
-        return restored
 
     def resume(self, branch: BranchKey, restore: bool = True) -> dict:
         """The tool returned (route) or the branch's next request arrived: unpin or restore. Without
@@ -692,7 +382,7 @@ class PauseBook:
         prefetched = record.prefetched_tokens
         if prefetched:  # judged before the restore below can bring back what was evicted again
             self._prefetch_outcome(branch, record)
-        restored = self._restore(branch) if restore and record.placement is Placement.HOST else 0
+        restored = self.copies.restore(branch) if restore and record.placement is Placement.HOST else 0
         return {"resumed": True, "placement": record.placement.value, "restored_tokens": restored,
                 "prefetched_tokens": prefetched}
 
@@ -727,7 +417,7 @@ class PauseBook:
             record = self.records.get(own)
             if record is None or not record.resuming:  # closed, expired or paused afresh meanwhile
                 own = None
-            elif self._restore(own, defer=True) is not None:  # restored, or failed for good: consumed
+            elif self.copies.restore(own, defer=True) is not None:  # restored, or failed for good: consumed
                 self.end_resume(own)
                 own = None
         return (parent, own) if parent or own else None
@@ -741,7 +431,7 @@ class PauseBook:
             if branch is None:
                 continue
             try:
-                self._drop_host(branch)
+                self.copies.drop(branch)
                 record = self.records.get(branch)
                 if record is None:
                     continue
@@ -764,16 +454,16 @@ class PauseBook:
             logger.info("agentcache: restore of %s/%s: its request ran without it (no room); recomputed",
                         branch.session, branch.branch)
         self.records.pop(branch)
-        self._drop_host(branch)  # already gone unless abandoned
+        self.copies.drop(branch)  # already gone unless abandoned
 
     def restore_for_fork(self, parent: BranchKey, defer: bool = False) -> int | None:
         """A new fork of a paused parent needs the parent's history: bring a host copy back now. The
         parent stays paused (its tool is still running), its KV on device (unpinned) and on host.
-        ``defer``: see :meth:`_restore` (None: no room yet, try again)."""
+        ``defer``: see :meth:`HostCopies.restore` (None: no room yet, try again)."""
         record = self.records.get(parent)
         if record is None or record.placement is not Placement.HOST:
             return 0
-        restored = self._restore(parent, keep_host=True, defer=defer)
+        restored = self.copies.restore(parent, keep_host=True, defer=defer)
         if restored is None:
             return None
         if parent not in self.host.entries:
@@ -818,7 +508,7 @@ class PauseBook:
             restored = self.cache.load_spilled(key, evict=False)
             record.prefetch_end = self.cache.resident_prefix_len(key)
         else:
-            restored = self._restore(branch, keep_host=True)
+            restored = self.copies.restore(branch, keep_host=True)
             if branch not in self.host.entries:
                 record.placement = Placement.NONE
         record.prefetched_tokens = restored
@@ -876,7 +566,7 @@ class PauseBook:
             self._prefetch_outcome(branch, record, used=False)
         self.kept.pop(branch, None)
         self.cache.spill.advise(branch, None)
-        return self._drop_host(branch)
+        return self.copies.drop(branch)
 
     def reset(self) -> int:
         """The tree was rebuilt empty (SGLang's full reset: ``/flush_cache``, a weight update): every
@@ -885,10 +575,9 @@ class PauseBook:
         for branch, record in self.records.items():
             if record.prefetched_tokens:
                 self._prefetch_outcome(branch, record, used=False)
-        freed = sum(self.host.delete(branch) for branch in list(self.host.entries))
+        freed = self.copies.reset()
         self.records.clear()
         self.kept.clear()
-        self.anchors.clear()
         return freed
 
     # ---- views ----

@@ -492,7 +492,7 @@ class _Run:
     def pause(self, request: Request, now: float) -> None:
         branch, tool = self.branch(request), request.tool
         pauses = self.cache.pauses
-        tokens = sum(len(n.key) for n in pauses.movable_suffix(branch))
+        tokens = sum(len(n.key) for n in pauses.copies.movable_suffix(branch))
         p = self.profile
         view = PauseView(
             now=now, tokens=tokens, latency=self.book.model(request.tenant, tool.tool_class),
