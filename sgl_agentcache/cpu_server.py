@@ -256,28 +256,36 @@ class CpuServer:
         except urllib.error.HTTPError as err:
             return err.code, _json_or_text(err.read(), key="error")
 
-    def stream_generate(self, body: dict, timeout: float = 300.0) -> tuple[int, float | None, dict]:
-        """``/generate`` with ``stream: true``: returns the status, the seconds until the first chunk (the
-        time to first token) and the last chunk (cumulative ``output_ids`` and ``meta_info``)."""
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body | {"stream": True}).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-        sent, first, last = time.monotonic(), None, {}
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                for line in resp:
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    if first is None:
-                        first = time.monotonic() - sent
-                    last = _json_or_text(line[6:].strip(), key="error")
-                    if "error" in last:  # an error event inside the 200 stream
-                        return 500, first, last
-                return resp.status, first, last
-        except urllib.error.HTTPError as err:
-            return err.code, None, _json_or_text(err.read(), key="error")
+    def stream_generate(self, body: dict, timeout: float = 300.0, headers: dict | None = None
+                        ) -> tuple[int, float | None, dict]:
+        """``/generate`` with ``stream: true``: see :func:`stream_generate`."""
+        return stream_generate(self.url, body, timeout, headers)
 
     def generate(self, body: dict, **kw) -> dict:
         status, out = self.request("POST", "/generate", body, **kw)
         if status != 200:
             raise RuntimeError(f"/generate returned {status}: {out}")
         return out
+
+
+def stream_generate(url: str, body: dict, timeout: float = 300.0, headers: dict | None = None
+                    ) -> tuple[int, float | None, dict]:
+    """``POST {url}/generate`` with ``stream: true`` (a server, or a router in front of servers): returns
+    the status, the seconds until the first chunk (the time to first token) and the last chunk
+    (cumulative ``output_ids`` and ``meta_info``)."""
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body | {"stream": True}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json", **(headers or {})})
+    sent, first, last = time.monotonic(), None, {}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for line in resp:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                if first is None:
+                    first = time.monotonic() - sent
+                last = _json_or_text(line[6:].strip(), key="error")
+                if "error" in last:  # an error event inside the 200 stream
+                    return 500, first, last
+            return resp.status, first, last
+    except urllib.error.HTTPError as err:
+        return err.code, None, _json_or_text(err.read(), key="error")

@@ -49,7 +49,8 @@ def cluster(tiny_model, tmp_path_factory):
         pytest.fail("sglang_router is not importable: install the test extra (it pins sglang-router==0.3.2)")
     root = tmp_path_factory.mktemp("router")
     (root / "tenants.toml").write_text(TENANTS_TOML)
-    env = {"AGENTCACHE_TENANTS": str(root / "tenants.toml"), "AGENTCACHE_SECRET": "r" * 48}
+    env = {"AGENTCACHE_TENANTS": str(root / "tenants.toml"), "AGENTCACHE_SECRET": "r" * 48,
+           "AGENTCACHE_INFER": "chat"}  # hint-less chat clients: sessions inferred on each worker
     workers = [CpuServer(str(tiny_model.path), log_path=root / f"worker{i}.log", max_total_tokens=2048, env=env,
                          extra_args=("--enable-cache-report",)) for i in range(2)]
     router = RouterProcess([w.url for w in workers], log_path=root / "router.log")
@@ -166,7 +167,8 @@ def test_a_fork_lives_and_is_reclaimed_on_its_sessions_worker(cluster, tiny_mode
     assert "sub-2" not in _holders(workers, agent.session)[index]
     # Pause through the fan-out reaches the holder; an unknown branch is a 404 from every worker.
     status, reply = tenant.call("/agentcache/pause", {"session": agent.session, "branch": "main", "tool_class": "grep"})
-    assert status == 200 and reply["worker"] == workers[index].url and reply["action"] in ("keep", "offload", "discard"), reply
+    assert status == 200 and reply["worker"] == workers[index].url, reply
+    assert reply["action"] in ("keep", "offload", "discard"), reply
     assert tenant.call("/agentcache/resume", {"session": agent.session, "branch": "main"})[0] == 200
     status, reply = tenant.call("/agentcache/pause", {"session": agent.session, "branch": "nope", "tool_class": "grep"})
     assert status == 404 and set(reply["statuses"].values()) == {404}
@@ -200,13 +202,44 @@ def test_a_credential_from_one_worker_works_on_the_other_and_a_close_retires_it_
         assert status == 403
 
 
+def test_hintless_chat_behind_cache_aware_routing_continues_its_inferred_sessions(cluster):
+    """A client that sends no hint and no routing key: the router's cache_aware policy (prefix
+    affinity) brings each later turn to the worker holding the conversation, where the worker's chat
+    inference continues the session it inferred (a turn elsewhere would start a new branch there)."""
+    workers, _ = cluster
+    by_prefix = RouterProcess([w.url for w in workers], policy="cache_aware")
+    before = [_inference(w) for w in workers]
+    with by_prefix:
+        for c in range(3):
+            messages = [{"role": "system", "content": f"You are agent {c}. Use the tools."},
+                        {"role": "user", "content": f"task {c}: fix the failing test in module {c}"}]
+            for turn in range(3):
+                status, reply = by_prefix.request("POST", "/v1/chat/completions", {
+                    "model": "default", "messages": messages, "max_tokens": 4, "temperature": 0},
+                    headers=_bearer(GLOBEX_KEY))
+                assert status == 200, reply
+                messages = messages + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                                       {"role": "user", "content": f"observation {turn}: 3 tests still fail"}]
+    after = [_inference(w) for w in workers]
+    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in ("requests", "continued")}
+    assert delta == {"requests": 9, "continued": 6}, (before, after)  # every later turn continued
+
+
+def _inference(worker: CpuServer) -> dict:
+    status, stats = worker.request("GET", "/agentcache/stats", headers=_bearer(ADMIN_KEY))
+    assert status == 200 and stats["chat_inference"]["mode"] == "chat", stats
+    return stats["chat_inference"]
+
+
 def test_a_killed_workers_sessions_move_cold_and_the_survivors_keep_theirs(cluster, tiny_model):
     workers, router = cluster
-    agents = [_Agent(_open(workers[0], ACME_KEY), random.Random(100 + i), tiny_model.vocab_size) for i in range(6)]
-    for agent in agents:
+    agents, placed = [], {}
+    while min(list(placed.values()).count(i) for i in (0, 1)) < 2:  # two sessions or more on each worker
+        assert len(agents) < 16, placed  # min_group gives new keys to the worker holding fewer
+        agent = _Agent(_open(workers[0], ACME_KEY), random.Random(100 + len(agents)), tiny_model.vocab_size)
         agent.turn(router, ACME_KEY)
-    placed = {a.session: next(iter(_holders(workers, a.session))) for a in agents}
-    assert set(placed.values()) == {0, 1}, placed  # min_group spreads new keys over both workers
+        agents.append(agent)
+        placed[agent.session] = next(iter(_holders(workers, agent.session)))
     idle = next(a for a in agents if placed[a.session] == 1)  # its tool is still running: no call after
     workers[1].stop()  # dies with its sessions
     for agent in agents:  # no request fails: the router re-pins the dead worker's keys

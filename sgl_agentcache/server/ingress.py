@@ -288,7 +288,8 @@ def _header_hint(raw_request):
     if len(values) > 1:
         raise ValueError(f"invalid {HINT_HEADER} header: sent {len(values)} times; send one hint")
     try:
-        hint = parse_header(values[0]) if values else hint_from_tracestate(raw_request.headers.getlist(TRACESTATE_HEADER))
+        traced = raw_request.headers.getlist(TRACESTATE_HEADER)
+        hint = parse_header(values[0]) if values else hint_from_tracestate(traced)
     except HintError as exc:
         raise ValueError(f"invalid {HINT_HEADER if values else TRACESTATE_HEADER} header: {exc}") from None
     if hint is not None and hint.inferred:

@@ -1,0 +1,248 @@
+"""Two-worker benchmark behind SGLang's router: ours with session affinity against stock routing, on CPU.
+
+Contract. The real-server benchmark (``bench/server_recompute.py``: its trace, plan, prompts, hints,
+passes and measures, reused as they are) played against **two** workers behind SGLang's own router
+(``sglang-router`` 0.3.2, ``sgl_agentcache.router_process``), each worker with the same device pool
+(2048 tokens: the single server's 4096 split in two) and, for every system that has one, the same host
+tier (1x the pool per worker):
+
+- ``stock-round-robin``: stock SGLang workers, the router's ``round_robin`` policy, no host tier;
+- ``stock-cache-aware``: stock SGLang workers, the router's ``cache_aware`` policy (prefix affinity:
+  what a stock deployment uses to keep agent prefixes together), no host tier;
+- ``hicache-cache-aware``: the write-back host tier (``AGENTCACHE_HOST_SPILL=1``, no hints: stock LRU
+  order, see server_recompute.py) behind ``cache_aware``;
+- ``agentcache-no-host``: ours, hints on every call, **no** host tier, the router's ``manual`` policy
+  with our routing key (every call of a session on one worker);
+- ``agentcache``: ours with the host tier and node spill, ``manual`` + routing key.
+
+Equal memory per comparison: ``agentcache`` is compared with ``hicache-cache-aware`` (same pools and
+host bytes), ``agentcache-no-host`` with both stock systems (same pools, no host tier anywhere).
+Hinted calls go through the router with ``gateway.gateway_headers`` (the routing key and the hint in
+``tracestate``: the router drops ``kv_hints``); the trace's closes go to the workers through
+``cluster.Cluster`` (the router does not proxy our routes). Same trace and clients as the single
+server, on the tiny model (4 passes).
+
+Counted as in server_recompute.py: prefill tokens computed (``input - cached``) per pass, the pass
+ratios' mean with a 95% Student-t interval; "better"/"worse" only when the interval excludes 1.
+Cross-check: the workers' logs' ``#new-token`` sums. Latency and JCT are real but on a shared 2-core
+CPU machine where two workers and the router interleave: prefill tokens are the exact measure.
+
+Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/cluster_recompute.py [--quick] [--out DIR]``
+(default ``bench/results``; writes ``cluster_recompute.json``; about 15 minutes, ``--quick`` about 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import server_recompute as single  # noqa: E402
+
+from sgl_agentcache.cluster import Cluster  # noqa: E402
+from sgl_agentcache.cpu_server import CpuServer, stream_generate  # noqa: E402
+from sgl_agentcache.gateway import gateway_headers  # noqa: E402
+from sgl_agentcache.hints import ACTION_TYPE  # noqa: E402
+from sgl_agentcache.router_process import RouterProcess  # noqa: E402
+from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
+from sgl_agentcache.trace.generators import generate  # noqa: E402
+
+WORKERS = 2
+#: name -> (radix-cache backend, hints and routes, host tier with node spill, router policy)
+SYSTEMS = {
+    "stock-round-robin": (None, False, False, "round_robin"),
+    "stock-cache-aware": (None, False, False, "cache_aware"),
+    "hicache-cache-aware": ("agentcache", False, True, "cache_aware"),
+    "agentcache-no-host": ("agentcache", True, False, "manual"),
+    "agentcache": ("agentcache", True, True, "manual"),
+}
+#: (ours, theirs): the pairs with equal device pools and equal host bytes.
+COMPARISONS = (("agentcache", "hicache-cache-aware"), ("agentcache-no-host", "stock-round-robin"),
+               ("agentcache-no-host", "stock-cache-aware"))
+
+
+def _mode(name: str) -> dict:
+    """server_recompute's mode, its memory split over the workers: the same trace and clients, each
+    worker half the single server's device pool (so the pressure per token of work is the same), the
+    host tier 1x each worker's pool. The tiny model: prefill tokens are the measure here, and a wider
+    model's compute on two workers sharing two cores would only stretch the run."""
+    cfg = dict(single.MODES[name])
+    cfg["pool_tokens"] = cfg["pool_tokens"] // WORKERS
+    cfg["model_shape"] = "tiny"
+    cfg["passes"] = 4 if name == "full" else cfg["passes"]
+    return cfg
+
+
+class ClusterTarget:
+    """The single-server API the replayer uses (``request``, ``stream_generate``), mapped onto a
+    router and its workers: generation through the router (a hint becomes gateway headers), our
+    routes and ``/flush_cache`` to every worker, stats summed and checks combined."""
+
+    def __init__(self, router: RouterProcess, workers: list[CpuServer]):
+        self.router, self.workers = router, workers
+        self.cluster = Cluster([w.url for w in workers], timeout=120)
+
+    def stream_generate(self, body: dict, timeout: float = 300.0):
+        headers = {}
+        if "kv_hints" in body:
+            payload = next(a["payload"] for a in body["kv_hints"]["actions"] if a["action_type"] == ACTION_TYPE)
+            headers = gateway_headers(payload)
+            body = {k: v for k, v in body.items() if k != "kv_hints"}
+        return stream_generate(self.router.url, body, timeout, headers)
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 120.0):
+        if path == "/agentcache/stats":
+            return 200, self.cluster.stats()["total"]
+        if path == "/agentcache/check":
+            reports = [w.request("GET", path, timeout=timeout)[1] for w in self.workers]
+            return 200, {"ok": all(r.get("ok") for r in reports), "workers": reports}
+        if path.startswith("/agentcache/"):
+            return self.cluster.call(path, body or {})
+        replies = [w.request(method, path, body, timeout=timeout) for w in self.workers]  # /flush_cache
+        bad = [r for r in replies if r[0] != 200]
+        return (bad[0] if bad else replies[0])
+
+
+def _start_all(workers: list[CpuServer]) -> None:
+    errors = []
+
+    def start(worker):
+        try:
+            worker.start()
+        except Exception as exc:  # noqa: BLE001 - reported below, after every start ended
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for w in workers:
+            w.stop()
+        raise errors[0]
+
+
+def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple[dict, list]:
+    """``cfg["passes"]`` passes on fresh workers behind a fresh router (as server_recompute.run_backend)."""
+    backend, agent, spill, policy = SYSTEMS[name]
+    env = {}
+    if spill:
+        env = {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(single.host_tokens(cfg))}
+    elif backend:
+        env = {"AGENTCACHE_HOST_TOKENS": "0"}
+    workers = [CpuServer(str(model.path), backend=backend, log_path=log_dir / f"{name}-w{i}.log",
+                         max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env)
+               for i in range(WORKERS)]
+    router = RouterProcess([w.url for w in workers], policy=policy, log_path=log_dir / f"{name}-router.log")
+    runs = []
+    _start_all(workers)
+    try:
+        router.start()
+        target = ClusterTarget(router, workers)
+        stats = single._agentcache_stats(target) if backend else None
+        for k in range(cfg["passes"]):
+            if k:
+                single._flush(target)
+            offsets = [w.log_path.stat().st_size for w in workers]
+            rep = single.Replayer(target, trace, plan, model.vocab_size, cfg, agent, tag=f".p{k}" if k else "")
+            wall = rep.run()
+            logs = [single.log_counts(w.log_path, off) for w, off in zip(workers, offsets)]
+            log = {key: sum(entry[key] for entry in logs) for key in logs[0]}
+            before, stats = stats, single._agentcache_stats(target) if backend else None
+            runs.append((single.summarise(rep, wall, log, stats, before), rep))
+            print(f"[cluster_recompute] {name} pass {k + 1}/{cfg['passes']}: "
+                  f"{runs[-1][0]['computed_tokens']:,} prefill tokens computed", flush=True)
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+    order = sorted(range(len(runs)), key=lambda k: runs[k][0]["computed_tokens"])
+    summary, rep = runs[order[(len(order) - 1) // 2]]
+    summary["passes"] = [{f: s[f] for f in single.PASS_FIELDS} for s, _ in runs]
+    summary |= {"pool_tokens_per_worker": cfg["pool_tokens"], "workers": WORKERS, "router_policy": policy,
+                "host_tokens_per_worker": single.host_tokens(cfg) if spill else 0}
+    return summary, [[rep.rows[i].get(c) for c in single.ROW_COLUMNS] for i in sorted(rep.rows)]
+
+
+def compare(systems: dict) -> dict:
+    """Each pair of COMPARISONS, pass by pass: mean ratio (ours / theirs) with its 95% interval."""
+    out = {}
+    for ours, theirs in COMPARISONS:
+        pairs = list(zip(systems[ours]["passes"], systems[theirs]["passes"]))
+        out[f"{ours} / {theirs}"] = {k: single._mean_ci([f(a) / max(f(b), 1e-9) for a, b in pairs])
+                                     for k, f in single.MEASURES.items()}
+        out[f"{ours} / {theirs}"]["extra_failures"] = (sum(p["failures"] for p in systems[ours]["passes"])
+                                                       - sum(p["failures"] for p in systems[theirs]["passes"]))
+    return out
+
+
+def print_table(result: dict) -> None:
+    print("\nsystem                  prefill computed   hit rate   JCT s   failures")
+    for name, s in result["systems"].items():
+        print(f"{name:22s}  {s['computed_tokens']:>16,}   {s['hit_rate']:>8.3f}   {s['jct_s']:>5.1f}   "
+              f"{s['failures']:>8}")
+    print("\nratio (95% CI over passes)                      computed                    JCT")
+    for pair, c in result["comparison"].items():
+        fmt = lambda m: f"{m['mean']:.3f} [{m['ci95'][0]:.3f}, {m['ci95'][1]:.3f}] {m['verdict']}"  # noqa: E731
+        print(f"{pair:46s}  {fmt(c['computed']):28s}  {fmt(c['jct'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny trace")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON")
+    ap.add_argument("--log-dir", help="keep the worker and router logs here (default: a temporary directory)")
+    ap.add_argument("--passes", type=int, help="passes per system (default: the single-server benchmark's)")
+    ap.add_argument("--systems", help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    args = ap.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    cfg = _mode(mode) | {"pause_via": "hint"} | ({"passes": args.passes} if args.passes else {})
+    names = args.systems.split(",") if args.systems else list(SYSTEMS)
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cluster-recompute-") as tmp:
+        log_dir = Path(args.log_dir or tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        model = make_tiny_model(Path(tmp) / "model", shape=cfg["model_shape"])
+        trace, dropped = single.fit_context(generate("branch_heavy", seed=cfg["seed"], **cfg["trace"]),
+                                            cfg["context_length"], cfg["output_cap"])
+        plan = single.build_plan(trace)
+        systems, rows = {}, {}
+        for name in names:
+            print(f"[cluster_recompute] {name}: {WORKERS} fresh workers + router, {len(trace.requests)} calls",
+                  flush=True)
+            systems[name], rows[name] = run_system(name, model, trace, plan, cfg, log_dir)
+    result = {
+        "benchmark": "cluster_recompute", "mode": mode,
+        "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/cluster_recompute.py" + " --quick" * args.quick
+                   + (f" --passes {args.passes}" if args.passes else ""),
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "sglang": single._version("sglang"), "sglang_router": single._version("sglang-router")},
+        "config": {"workload": "branch_heavy", "workers": WORKERS, **{k: v for k, v in cfg.items() if k != "trace"},
+                   "host_tokens_per_worker": single.host_tokens(cfg), "trace_params": cfg["trace"],
+                   "sessions_dropped_for_context": dropped, "trace_stats": single.trace_stats(trace, plan),
+                   "systems": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": sp,
+                                   "router_policy": pol} for n, (b, h, sp, pol) in SYSTEMS.items() if n in names}},
+        "systems": systems,
+        "comparison": compare(systems) if set(names) == set(SYSTEMS) else {},
+        "requests": {"columns": list(single.ROW_COLUMNS), **rows},
+    }
+    (out / "cluster_recompute.json").write_text(single.dump_json(result))
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
