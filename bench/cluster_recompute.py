@@ -34,7 +34,6 @@ Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/cluster_recompute.py [--qu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys

@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--api-key", help="a tenant's (or the operator's) key, sent as Authorization: Bearer")
     actions = cl.add_subparsers(dest="action", required=True, metavar="ACTION")
     actions.add_parser("stats", help="every worker's /agentcache/stats and their sum, as JSON")
-    post = actions.add_parser("call", help="POST one route to every worker and combine the answers (exit 1 unless 200)")
+    post = actions.add_parser("call", help="POST one route to every worker and combine the answers "
+                                           "(exit 1 unless 200)")
     post.add_argument("route", choices=["branch/close", "session/close", "pause", "resume", "prefetch", "admin/purge"],
                       help="the route under /agentcache/ (its body as on one server: see README, Routes)")
     post.add_argument("body", help='the route\'s JSON body, e.g. \'{"session": "s1", "branch": "sub-2"}\'')

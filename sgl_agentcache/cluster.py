@@ -1,4 +1,4 @@
-"""Our ``/agentcache/*`` routes across many workers behind SGLang's router (fan-out; stdlib HTTP only).
+"""Our ``/agentcache/*`` routes across many workers behind SGLang's router (fan-out; standard library HTTP).
 
 The router proxies generation routes only (``/agentcache/*`` through it is a 404), and which worker it
 pinned a session to is its own state. So a route goes to every worker, in parallel, and the answers
@@ -16,11 +16,10 @@ are combined; this never picks a worker for a generation request (that stays the
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
+
+from sgl_agentcache.cpu_server import json_request
 
 __all__ = ["CLOSE_ROUTES", "Cluster", "ClusterError", "sum_stats"]
 
@@ -42,21 +41,6 @@ class Reply(NamedTuple):
     body: Any
 
 
-def _http(url: str, method: str, body: dict | None, headers: dict[str, str], timeout: float) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    try:
-        return status, json.loads(raw) if raw else {}
-    except ValueError:
-        return status, {"error": raw.decode(errors="replace")[:500]}
-
-
 class Cluster:
     """The agentcache routes of a set of workers (their base URLs)."""
 
@@ -72,7 +56,7 @@ class Cluster:
         """The workers the router lists (``GET /workers``), healthy or not: an unhealthy one is reported
         unreachable by the calls that cannot reach it."""
         try:
-            status, listing = _http(router.rstrip("/") + "/workers", "GET", None, dict(headers or {}), timeout)
+            status, listing = json_request(router.rstrip("/"), "GET", "/workers", None, headers, timeout)
         except OSError as exc:
             raise ClusterError(f"the router at {router} did not answer: {exc}") from None
         if status != 200 or not isinstance(listing, dict):
@@ -82,7 +66,7 @@ class Cluster:
     def _all(self, method: str, path: str, body: dict | None = None) -> list[Reply]:
         def one(worker: str) -> Reply:
             try:
-                return Reply(worker, *_http(worker + path, method, body, self.headers, self.timeout))
+                return Reply(worker, *json_request(worker, method, path, body, self.headers, self.timeout))
             except OSError as exc:
                 return Reply(worker, 0, {"error": f"{type(exc).__name__}: {exc}"})
 

@@ -247,14 +247,7 @@ class CpuServer:
 
     def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
                 timeout: float = 120.0) -> tuple[int, dict]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, _json_or_text(resp.read())
-        except urllib.error.HTTPError as err:
-            return err.code, _json_or_text(err.read(), key="error")
+        return json_request(self.url, method, path, body, headers, timeout)
 
     def stream_generate(self, body: dict, timeout: float = 300.0, headers: dict | None = None
                         ) -> tuple[int, float | None, dict]:
@@ -266,6 +259,21 @@ class CpuServer:
         if status != 200:
             raise RuntimeError(f"/generate returned {status}: {out}")
         return out
+
+
+def json_request(url: str, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                 timeout: float = 120.0) -> tuple[int, dict]:
+    """One JSON call to ``url + path``: the status and the decoded body (a text body is wrapped as
+    ``{"text": ...}``, or ``{"error": ...}`` with an error status). Raises ``OSError`` (``URLError``,
+    a timeout) when nothing answers."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, _json_or_text(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, _json_or_text(err.read(), key="error")
 
 
 def stream_generate(url: str, body: dict, timeout: float = 300.0, headers: dict | None = None

@@ -8,18 +8,15 @@ an optional dependency (``pip install "sgl-agentcache[test]"`` brings ``sglang-r
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sgl_agentcache.cpu_server import free_port, group_alive
+from sgl_agentcache.cpu_server import free_port, group_alive, json_request
 
 __all__ = ["RouterProcess", "router_available"]
 
@@ -141,16 +138,5 @@ class RouterProcess:
 
     def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
                 timeout: float = 120.0) -> tuple[int, dict]:
-        """One JSON call to the router (standard library only)."""
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw, status = resp.read(), resp.status
-        except urllib.error.HTTPError as err:
-            raw, status = err.read(), err.code
-        try:
-            return status, json.loads(raw) if raw else {}
-        except ValueError:
-            return status, {"error": raw.decode(errors="replace")[:500]}
+        """One JSON call to the router (see :func:`~sgl_agentcache.cpu_server.json_request`)."""
+        return json_request(self.url, method, path, body, headers, timeout)
