@@ -174,14 +174,7 @@ def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple
 
 def compare(systems: dict) -> dict:
     """Each pair of COMPARISONS, pass by pass: mean ratio (ours / theirs) with its 95% interval."""
-    out = {}
-    for ours, theirs in COMPARISONS:
-        pairs = list(zip(systems[ours]["passes"], systems[theirs]["passes"]))
-        out[f"{ours} / {theirs}"] = {k: single._mean_ci([f(a) / max(f(b), 1e-9) for a, b in pairs])
-                                     for k, f in single.MEASURES.items()}
-        out[f"{ours} / {theirs}"]["extra_failures"] = (sum(p["failures"] for p in systems[ours]["passes"])
-                                                       - sum(p["failures"] for p in systems[theirs]["passes"]))
-    return out
+    return {f"{ours} / {theirs}": single.paired(systems[ours], systems[theirs]) for ours, theirs in COMPARISONS}
 
 
 def print_table(result: dict) -> None:

@@ -543,14 +543,15 @@ def compare(backends: dict) -> dict:
     """Ours against every other backend, pass by pass (same pass index: both saw the same trace from
     a flushed cache): the mean ratio of each measure with its 95% interval, "better"/"worse" only
     when the interval excludes 1. Plus extra failures over all passes (must be 0)."""
-    ours = backends[OURS]
-    out = {}
-    for name, theirs in backends.items():
-        if name == OURS:
-            continue
-        pairs = list(zip(ours["passes"], theirs["passes"]))
-        out[name] = {k: _mean_ci([f(a) / max(f(b), 1e-9) for a, b in pairs]) for k, f in MEASURES.items()}
-        out[name]["extra_failures"] = sum(p["failures"] for p in ours["passes"]) - sum(p["failures"] for p in theirs["passes"])
+    return {name: paired(backends[OURS], theirs) for name, theirs in backends.items() if name != OURS}
+
+
+def paired(ours: dict, theirs: dict) -> dict:
+    """Ours / theirs, pass by pass: each measure's mean ratio with its 95% interval and verdict, and
+    the extra failures over all passes."""
+    pairs = list(zip(ours["passes"], theirs["passes"]))
+    out = {k: _mean_ci([f(a) / max(f(b), 1e-9) for a, b in pairs]) for k, f in MEASURES.items()}
+    out["extra_failures"] = sum(p["failures"] for p in ours["passes"]) - sum(p["failures"] for p in theirs["passes"])
     return out
 
 

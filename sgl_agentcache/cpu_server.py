@@ -113,6 +113,30 @@ def exit_on_signals(announce=None):
             signal.signal(sig, old)
 
 
+def stop_process_group(proc: subprocess.Popen, term_wait_s: float = 20.0) -> None:
+    """Stop ``proc``'s whole process group (started with ``start_new_session``): SIGTERM, SIGKILL if it
+    lingers, then SIGKILL any child that outlives the leader. Returns once the group is gone (or 10 s
+    after trying)."""
+    for sig, wait in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # Children may outlive the leader for a moment; make sure the group is gone before returning.
+    deadline = time.monotonic() + 10
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+
+
 def cpu_env() -> dict[str, str]:
     """Environment for SGLang processes on CPU (``SGLANG_USE_CPU_ENGINE=1`` is mandatory there)."""
     env = dict(os.environ)
@@ -211,31 +235,11 @@ class CpuServer:
         then remove the server's scratch directory."""
         CpuServer.running.pop(id(self), None)
         if self.proc is not None:
-            self._stop_group()
+            stop_process_group(self.proc, term_wait_s=20)
+            self.proc = None
         if self.scratch_dir is not None:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
             self.scratch_dir = None
-
-    def _stop_group(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Children may outlive the leader for a moment; make sure the group is gone before returning.
-        deadline = time.monotonic() + 10
-        while group_alive(self.proc.pid) and time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        self.proc = None
 
     def __enter__(self) -> "CpuServer":
         return self.start() if self.proc is None else self

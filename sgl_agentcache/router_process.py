@@ -9,14 +9,13 @@ an optional dependency (``pip install "sgl-agentcache[test]"`` brings ``sglang-r
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sgl_agentcache.cpu_server import free_port, group_alive, json_request
+from sgl_agentcache.cpu_server import free_port, json_request, stop_process_group
 
 __all__ = ["RouterProcess", "router_available"]
 
@@ -113,22 +112,9 @@ class RouterProcess:
         raise TimeoutError(f"the router did not reach {count} healthy workers in {timeout:.0f}s: {self.listed()}")
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        deadline = time.monotonic() + 10
-        while group_alive(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.proc = None
+        if self.proc is not None:
+            stop_process_group(self.proc, term_wait_s=15)
+            self.proc = None
 
     def __enter__(self) -> "RouterProcess":
         return self.start() if self.proc is None else self
