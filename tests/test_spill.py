@@ -280,3 +280,72 @@ def test_a_waiting_request_loads_back_when_admitted_not_when_ranked():
     assert admitted.cached_tokens == 201 and cache.spill.counters["loads"] == 1
     driver.finish(admitted)
     assert_clean(driver)
+
+
+LEAD = {"session": "s", "branch": "main"}
+
+
+def _fork(name: str, fork_point: int) -> dict:
+    return {"session": "s", "branch": name, "parent_branch": "main", "fork_point_tokens": fork_point}
+
+
+def test_tokens_forks_share_past_their_fork_point_become_the_leads_history():
+    """What the harness appended to the lead's context before forking (past the fork point, in every
+    fork's prompt and in the lead's next one) is created by whichever fork runs first; the next fork
+    that reuses it hands it to the lead, so it survives the forks' closes and the lead's next turn hits."""
+    driver = spill_driver(pool=400, host=0)
+    cache = driver.cache
+    lead_ctx, shared = ids(10, 100), ids(120, 16)
+    run(driver, "lead0", lead_ctx, out=(), hint=LEAD)
+    run(driver, "w1", lead_ctx + shared + ids(200, 20), hint=_fork("w1", 100))
+    lead = BranchKey(namespace_key(None, None), "s", "main")
+    w1 = lead._replace(branch="w1")
+    owned_before = cache.tree_core.owned_tokens(lead)
+    run(driver, "w2", lead_ctx + shared + ids(250, 20), hint=_fork("w2", 100))
+    assert cache.adopted_tokens == 16 and cache.tree_core.owned_tokens(lead) == owned_before + 16
+    with driver.activated():
+        cache.close_branch(w1)
+        cache.close_branch(w1._replace(branch="w2"))
+    assert cache.tree_core.owned_tokens(w1) == 0
+    assert run(driver, "lead1", lead_ctx + shared + ids(300, 20), hint=LEAD) == 116
+    assert_clean(driver)
+
+
+def test_adoption_takes_only_other_branches_scratch_of_the_same_session():
+    driver = spill_driver(pool=400, host=0)
+    cache = driver.cache
+    lead_ctx, shared = ids(10, 100), ids(120, 16)
+    run(driver, "lead0", lead_ctx, out=(), hint=LEAD)
+    run(driver, "w1", lead_ctx + shared + ids(200, 20), hint=_fork("w1", 100))
+    run(driver, "w1b", lead_ctx + shared + ids(200, 30), hint=_fork("w1", 100))  # its own scratch: kept
+    other = {"session": "t", "branch": "main"}
+    run(driver, "other", lead_ctx + shared + ids(260, 20), hint=other)  # another session: not its history
+    run(driver, "plain", lead_ctx + shared + ids(290, 20))  # untagged traffic adopts nothing
+    assert cache.adopted_tokens == 0
+    assert_clean(driver)
+
+
+def test_an_ended_forks_node_that_live_spilled_nodes_continue_is_kept_and_spilled_with_them():
+    """The lead's quota is too small to take the shared tokens (they stay the fork's); the lead's next
+    turn continues them, is spilled, and the fork closes: its node is what the lead's host entries hang
+    from, so it is not reclaimed at the close, and eviction spills it as the lead's. Everything loads
+    back."""
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    cache.session_quota_tokens = 50  # the lead is over quota from its first call: nothing adopted
+    lead_ctx, shared = ids(10, 100), ids(120, 16)
+    run(driver, "lead0", lead_ctx, out=(), hint=LEAD)
+    run(driver, "w1", lead_ctx + shared + ids(200, 20), hint=_fork("w1", 100))
+    lead1 = lead_ctx + shared + ids(300, 40)
+    run(driver, "lead1", lead1, out=(), hint=LEAD)
+    assert cache.adopted_tokens == 0
+    w1 = BranchKey(namespace_key(None, None), "s", "w1")
+    run(driver, "flood", ids(400, 100))  # evicts w1's own tail and the lead's newest node to host
+    with driver.activated():
+        cache.close_branch(w1)
+    run(driver, "flood2", ids(0, 10) + ids(360, 30) + ids(500, 12), hint=None)
+    run(driver, "flood3", ids(200, 150))  # the ended fork's node goes too: spilled, not dropped
+    assert cache.spill.counters["dropped_tokens"]["orphaned"] == 0
+    assert all(e.state.owner != w1 for e in cache.spill.lru)  # kept as the lead's, not the fork's
+    assert run(driver, "lead2", lead1 + [7], hint=LEAD) == len(lead1)
+    assert_clean(driver)

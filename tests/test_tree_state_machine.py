@@ -680,6 +680,9 @@ def test_late_fork_insert_revives_closed_parent():
 def test_evict_exposes_terminated_parent_until_next_tick():
     driver = OfflineDriver(pool_tokens=1024, page_size=1, max_reqs=8)
     cache = driver.cache
+    # Without the node spill: with it, the evicted child goes to host hanging from the terminated
+    # parent, which then stays as its context (tests/test_spill.py).
+    cache.set_host_spill(False)
     shared, tail = list(range(10, 20)), list(range(30, 35))
     req = driver.admit("main", shared, kv_hints=lifecycle_envelope({"session": "s"}, message_id="a"))
     driver.finish(req)

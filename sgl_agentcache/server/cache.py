@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.fork_points import BranchContexts
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
-from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, RecentBranches, eviction_rank,
+from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, NodeClass, RecentBranches, eviction_rank,
                                       namespace_key, namespace_salt)
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.agreement import default_agreement
@@ -113,6 +113,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.freed_on_close_tokens = 0
         self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
         self.invalid_hints = 0
+        self.adopted_tokens = 0  # siblings' scratch a request reused, made the session's history
         self.inferred_orphans = 0  # inferred forks run without their parent (it was unknown or closed)
         # Each branch's last finished context, so a fork whose hint gives no fork point still charges
         # the parent's history it recomputes to the parent (fork_points.py).
@@ -371,6 +372,9 @@ class AgentRadixCache(UnifiedRadixCache):
             req.agentcache_edited = True
             self.context_edit_freed_tokens += self._drop_edited_history(req, owner, hint.edit_from_tokens)
         locked = req.kv.cache_protected_len  # in the tree and locked: the insert creates nodes past it only
+        if not getattr(req, "agentcache_adopted", False):
+            req.agentcache_adopted = True
+            self._adopt_shared_context(req, plan)
         core.insert_state = own
         core.insert_from = self._insert_start(req)
         try:
@@ -380,6 +384,39 @@ class AgentRadixCache(UnifiedRadixCache):
         fresh = core.take_fresh()
         if fresh and plan.boundaries and req.last_node is not None:
             self._settle(req, plan, locked, fresh)
+
+    def _adopt_shared_context(self, req, plan: InsertPlan) -> None:
+        """Nodes another branch's scratch created that this request reuses become the session's history.
+
+        A fork creates the first tokens past its fork point; when its siblings' or its lead's next
+        prompts carry the same tokens (what the harness appended to the lead's context before forking),
+        those nodes are the lead's context, not the fork's scratch: they would otherwise die with the
+        fork that happened to run first, and the lead's next turn would recompute them. Walks up from
+        the request's matched node while nodes are scratch of *other* branches of the same session
+        (usually none or one node); charges them to the lead within its quota, as :meth:`_stamp` does.
+        """
+        if req.last_node is None:
+            return
+        heir_state = plan.parent if plan.parent is not None else plan.own
+        me, heir = plan.own.owner, heir_state.owner
+        if heir is None or heir_state.terminated or plan.own.terminated:
+            return
+        core = self.tree_core
+        try:
+            node = core.node_by_id(req.last_node)
+        except KeyError:
+            return
+        while node is not core.root_node:
+            state = node.agent
+            owner = state.owner
+            if (owner is None or owner == me or owner == heir or state.cls is not NodeClass.SCRATCH
+                    or owner.session != heir.session or owner.namespace != heir.namespace):
+                return
+            if self.branch_tokens(heir) + len(node.key) > self.quota_of(heir):
+                return
+            core.set_state(node, heir_state)
+            self.adopted_tokens += len(node.key)
+            node = node.parent
 
     def _insert_start(self, req):
         """The node ``req`` holds locked, where its insert may start (see
@@ -534,9 +571,13 @@ class AgentRadixCache(UnifiedRadixCache):
         if not core.reclaimable():  # runs every scheduler step: the common case must cost ~nothing
             return 0
         # A terminated node a live host copy hangs from stays until that copy is restored or dropped
-        # (HostCopies.drop reclaims it then): freeing it would turn the restore into a recompute.
-        anchors = self.copies.anchors
-        freed = self._evict_nodes(core.terminated.difference(anchors) if anchors else core.terminated, budget=None)
+        # (HostCopies.drop reclaims it then): freeing it would turn the restore into a recompute. So does
+        # one that live branches' spilled nodes hang from (their context: a closed subagent created the
+        # first tokens past its lead's history); eviction spills it with them (SpillTier.spill).
+        anchors, spilled_below = self.copies.anchors, self.spill.by_anchor
+        candidates = (core.terminated.difference(anchors, spilled_below) if anchors or spilled_below
+                      else core.terminated)
+        freed = self._evict_nodes(candidates, budget=None)
         core.reclaimed()  # after, not before: the parents this reclaim exposed were candidates too
         self.freed_on_close_tokens += freed
         return freed
@@ -683,6 +724,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "invalid_hints": self.invalid_hints,
             "inferred_orphans": self.inferred_orphans,
             "inferred_fork_points": self.inferred_fork_points,
+            "adopted_shared_tokens": self.adopted_tokens,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),

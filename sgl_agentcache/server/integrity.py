@@ -10,7 +10,7 @@ refs) with an independent recount of our own, so a bug in either shows:
 - every node carries agent state; the owner and terminated indexes list exactly the nodes that say so;
 - a terminated unlocked device leaf (not an anchor) is always marked due for reclaim (the per-step
   reclaim skips when none is); idle only: none is left at all (reclaim never lags a step), except one
-  a live host copy hangs from (reclaimed when that copy is restored or dropped);
+  a live host copy or spilled node hangs from (reclaimed when those are restored or dropped);
 - idle only: allocator free slots + tree-held slots == pool capacity (nothing leaked outside the tree).
 """
 
@@ -83,7 +83,8 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
             evictable += len(slots)
 
     if agent_state:
-        errors.extend(_check_ownership(core, nodes, idle=idle, anchors=cache.copies.anchors))
+        anchors = set(cache.copies.anchors) | set(cache.spill.by_anchor)
+        errors.extend(_check_ownership(core, nodes, idle=idle, anchors=anchors))
         errors.extend(_check_host(cache, set(nodes)))
 
     if evictable != cache.evictable_size():
@@ -131,7 +132,8 @@ def _check_host(cache, nodes: set) -> list[str]:
 
 
 def _check_ownership(core, nodes, *, idle: bool, anchors=frozenset()) -> list[str]:
-    """Owner and terminated indexes against the tree; ``anchors``: nodes live host copies hang from."""
+    """Owner and terminated indexes against the tree; ``anchors``: nodes host copies or spilled nodes
+    hang from."""
     errors = []
     tree_nodes = set(nodes)
     owned: dict = {}

@@ -99,7 +99,8 @@ class SpillTier:
 
     def spill(self, node, low_value: bool = False) -> bool:
         """Stock eviction is about to take device leaf ``node``: copy it to host if there is room; True
-        when it did. Terminated nodes (their branch ended) are never kept.
+        when it did. Terminated nodes (their branch ended) are never kept, unless live entries hang from
+        them (then they are kept as those entries' own context).
 
         A low-value node (its branch is over its quota, ``low_value``, or was advised DISCARD at a pause)
         goes only into free host room, never displacing another entry; its entry is the first dropped
@@ -111,8 +112,17 @@ class SpillTier:
         moment free room ran out (measured: at a 4x host tier on the real Claude Code sessions, 1.33x
         write-back's recompute against 0.94x with this rule)."""
         state = node.agent
-        if not self.enabled or state.terminated:
+        if not self.enabled:
             return False
+        if state.terminated:
+            # An ended branch's node is kept only when live entries hang from it: it is then part of
+            # their context (a subagent closed after creating the first tokens past its lead's history,
+            # which the lead's later turns continue), and dropping it would orphan them all. It goes to
+            # host as theirs: the most valuable state among them.
+            below = self.by_anchor.get(node)
+            if not below:
+                return False
+            state = max((e.state for e in below), key=lambda s: s.cls)
         advice = self.advice.get(state.owner) if self.advice and state.owner is not None else None
         discard = advice is not None and advice.value == "discard"
         low_value = (low_value or discard) and node not in self.by_anchor
@@ -337,6 +347,9 @@ class SpillTier:
                 siblings.remove(entry)
                 if not siblings:
                     del self.by_anchor[entry.anchor]
+                    if getattr(entry.anchor, "agent", None) is not None and entry.anchor.agent.terminated:
+                        # it was kept for them (AgentRadixCache.reclaim_terminated)
+                        self.cache.tree_core.mark_reclaim_due()
         elif entry.parent is not None:
             entry.parent.children.remove(entry)
         entry.anchor = entry.parent = None

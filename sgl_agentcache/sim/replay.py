@@ -12,7 +12,9 @@ call ends in a tool call, the policy (:mod:`sgl_agentcache.sim.policies`) decide
 branch's KV; the branch's next call is its resume. A branch has at most one call at the server: its
 next call carries the previous one's output, so when the trace's clock ran ahead of the replay's
 service, that call reaches the server (its hint, the end of the tool pause) only when the previous one
-is answered, and is then first in line.
+is answered, and is then first in line. Across branches likewise (:mod:`sgl_agentcache.sim.causality`):
+a fork's first call is sent once its parent's call is answered, and a lead's call after a pause in
+which its subagents ran once their calls are answered.
 
 What a system may know: the trace's future (when a branch's next call arrives, whether it has one)
 reaches only a clairvoyant policy, through one :class:`TraceFuture` the replayer holds; every other
@@ -45,6 +47,7 @@ from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.policy.profiles import Profile
+from sgl_agentcache.sim.causality import cross_branch_prerequisites
 from sgl_agentcache.sim.inferred import ReplayInference
 from sgl_agentcache.sim.policies import POLICIES, Future, PauseView, ReplayPolicy
 from sgl_agentcache.sim.stepgraph import StepGraph
@@ -288,6 +291,14 @@ class _Run:
         self.received: dict[tuple, int] = {}  # trace branch -> its calls the server received, not yet done
         self.inferred_orphans = 0
         self.restore_marks: dict[str, int] = {}  # request id -> tokens its failed attempts loaded back
+        # Forks and joins (sim/causality.py): a call waits, unsent, for other branches' calls.
+        self.blocked_by = {rid: set(ids) for rid, ids in cross_branch_prerequisites(trace).items()}
+        self.unblocks: dict[str, list[str]] = {}
+        for rid, ids in self.blocked_by.items():
+            for prerequisite in ids:
+                self.unblocks.setdefault(prerequisite, []).append(rid)
+        self.by_id = {r.id: r for r in trace.requests}
+        self.blocked_closes: list[tuple[Event, float]] = []  # closes waiting for their branch's calls
 
     # ---- plumbing ----
 
@@ -396,6 +407,7 @@ class _Run:
                 if parent_refusal(parent, cache.seen, cache.closed) is not None:
                     if request.hints != "inferred":
                         self.result.refused_requests += 1
+                        self.resolve(request, now)
                         return None
                     request = msgspec.structs.replace(request, parent_branch=None, fork_point_tokens=None)
                     self.inferred_orphans += 1
@@ -417,11 +429,14 @@ class _Run:
             self.result.idle_kv_token_s += (held + held_now) / 2 * waited
 
     def on_arrive(self, request: Request, now: float) -> None:
-        if self.received.get(self.key(request)):
+        key = self.key(request)
+        if self.received.get(key) or key in self.deferred or request.id in self.blocked_by:
             # Causality: the next call of a branch carries its previous output, so the client sends it
             # when that call is answered (the trace's own service model may have been faster); only
-            # then does the server receive it -- its hint, the end of the branch's tool pause.
-            self.deferred.setdefault(self.key(request), []).append((request, now))
+            # then does the server receive it -- its hint, the end of the branch's tool pause. A fork's
+            # first call and a lead's call after its subagents also wait for those other branches'
+            # calls (``blocked_by``, sim/causality.py).
+            self.deferred.setdefault(key, []).append((request, now))
             self.result.queued_requests += 1
             return
         request = self.receive(request, now)
@@ -464,16 +479,18 @@ class _Run:
         """The first call held behind trace branch ``key``'s previous one reaches the server now (as
         ``[(call, arrived)]``, or ``[]``); the rest wait for its answer in turn (one unanswered call per
         trace branch, as from a client)."""
-        released = self.deferred.pop(key, [])
-        while released:
-            (record, arrived), rest = released[0], released[1:]
-            if rest:
-                self.deferred[key] = rest
+        queue = self.deferred.get(key)
+        while queue and not self.received.get(key):
+            record, arrived = queue[0]
+            if record.id in self.blocked_by:
+                return []  # a fork or a join: sent when the calls it reads are answered (resolve)
+            queue.pop(0)
+            if not queue:
+                del self.deferred[key]
             received = self.receive(record, now)
             if received is not None:
                 self.resumed(received, now)
                 return [(received, arrived)]
-            released = self.deferred.pop(key, [])  # refused: the next one goes instead
         return []
 
     def update_steps(self, keys) -> None:
@@ -551,7 +568,8 @@ class _Run:
             affected = lambda key: key[:2] == (event.tenant, event.session)  # noqa: E731
         else:
             affected = lambda key: key == self.key(event)  # noqa: E731
-        return any(affected(key) for key in self.live) or any(affected(key) for key in self.deferred)
+        return (any(affected(key) for key in self.live) or any(affected(key) for key in self.deferred)
+                or any(affected(self.key(r)) for r, _ in self.waiting if isinstance(r, Request)))
 
     def abort_live(self, event: Event, now: float) -> None:
         """An abort event ends the branch's running call (a client gone mid-call), if it has one."""
@@ -604,9 +622,20 @@ class _Run:
     def answered(self, request: Request, now: float) -> None:
         """A received call ended (answered, refused at admission or aborted)."""
         self.received[self.key(request)] -= 1
+        self.resolve(request, now)
         if self.inference is not None:
             self.inference.done(request, now)
             self.push(now + self.inference.idle_s, "idle", None)
+
+    def resolve(self, request: Request, now: float) -> None:
+        """``request`` ended or was refused: a call held for it that waits for nothing else any more
+        is sent now, after the current event (the answer, and its pause, come first)."""
+        for rid in self.unblocks.pop(request.id, ()):
+            waiting_for = self.blocked_by[rid]
+            waiting_for.discard(request.id)
+            if not waiting_for:
+                del self.blocked_by[rid]
+                self.push(now, "release", self.key(self.by_id[rid]))
 
     def on_idle(self, now: float) -> None:
         """The server's idle sweep (inferred): close what has been idle for ``idle_s``."""
@@ -621,20 +650,34 @@ class _Run:
             self.paused.pop(branch, None)
 
     def drain(self, now: float) -> None:
-        # Events wait behind earlier requests so that a close never overtakes the calls before it.
+        # Events wait behind earlier requests so that a close never overtakes the calls before it; a
+        # close whose branch (session) still has calls to run steps aside until they are done, without
+        # holding back other branches' calls (it may be what one of them waits for).
+        ready = [item for item in self.blocked_closes if not self.close_blocked(item[0])]
+        if ready:
+            self.blocked_closes = [item for item in self.blocked_closes if item not in ready]
+            for event, arrived in ready:
+                self.end_with(event, arrived, now)
         while self.waiting:
             record, arrived = self.waiting[0]
-            if isinstance(record, Event) and self.close_blocked(record):
-                return  # a close waits for the calls of its branch (session) that came before it
             if isinstance(record, Event):
-                self.apply_event(record, now)
-                if self.policy.hints and record.kind != "abort":
-                    self.result.reclaim_latencies_s.append(now - arrived)
-                if not self.received.get(self.key(record)):  # an abort freed the branch for its next call
-                    self.waiting.extend(self.release_next(self.key(record), now))
-            elif not self.try_start(record, arrived, now):
+                self.waiting.pop(0)
+                if self.close_blocked(record):
+                    self.blocked_closes.append((record, arrived))
+                else:
+                    self.end_with(record, arrived, now)
+            elif self.try_start(record, arrived, now):
+                self.waiting.pop(0)
+            else:
                 return
-            self.waiting.pop(0)
+
+    def end_with(self, event: Event, arrived: float, now: float) -> None:
+        """Apply a close or an abort that nothing holds back any more."""
+        self.apply_event(event, now)
+        if self.policy.hints and event.kind != "abort":
+            self.result.reclaim_latencies_s.append(now - arrived)
+        if not self.received.get(self.key(event)):  # an abort freed the branch for its next call
+            self.waiting.extend(self.release_next(self.key(event), now))
 
     def sample(self, now: float) -> None:
         if self.agent:
@@ -652,6 +695,9 @@ class _Run:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == "arrive" and isinstance(payload, Request):
                 self.on_arrive(payload, now)
+            elif kind == "release":  # a fork or a join whose prerequisites were answered
+                self.waiting[0:0] = self.release_next(payload, now)
+                self.drain(now)
             elif kind == "arrive" and self.inference is not None:
                 self.on_event_inferred(payload, now)
                 self.drain(now)
@@ -666,9 +712,10 @@ class _Run:
                 self.on_unpin(payload)
             elif kind == "prefetch":
                 self.on_prefetch(*payload)
-            if not self.events and (self.waiting or self.deferred):
-                raise RuntimeError(f"{len(self.waiting) + len(self.deferred)} requests can never be admitted "
-                                   f"into a {self.result.pool_tokens}-token pool")
+            stuck = len(self.waiting) + len(self.deferred) + len(self.blocked_closes)
+            if not self.events and stuck:
+                raise RuntimeError(f"{stuck} requests or closes can never be admitted into a "
+                                   f"{self.result.pool_tokens}-token pool")
         return self.finish()
 
     def finish(self) -> ReplayResult:
@@ -693,10 +740,12 @@ class _Run:
             r.inference = self.inference.stats() | {"orphans": self.inferred_orphans}
         if self.policy.hints:
             # Leaked: terminated tokens that nothing holds any more yet are still resident (must be 0).
-            # Terminated nodes that other branches' nodes still hang below are shared, not leaked.
-            core = self.cache.tree_core
-            r.reclaimed_tokens = self.cache.freed_on_close_tokens
-            r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n))
+            # Terminated nodes that other branches' nodes still hang below, on the device or on host
+            # (spilled nodes, paused copies), are shared, not leaked.
+            core, cache = self.cache.tree_core, self.cache
+            held = set(cache.copies.anchors) | set(cache.spill.by_anchor)
+            r.reclaimed_tokens = cache.freed_on_close_tokens
+            r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n) and n not in held)
             r.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - r.leaked_tokens
         if self.timeline:
             self.sample(max(r.completion_s, max((e.t for e in self.trace.records), default=0.0)))
