@@ -344,6 +344,14 @@ def test_an_ended_forks_node_that_live_spilled_nodes_continue_is_kept_and_spille
     with driver.activated():
         cache.close_branch(w1)
     run(driver, "flood2", ids(0, 10) + ids(360, 30) + ids(500, 12), hint=None)
+    kept = [n for n in cache.spill.by_anchor if n.agent.terminated]
+    assert kept and all(n.agent.owner == w1 for n in kept)  # ended, kept: the lead's entries hang from it
+    # A context edit in another session frees its own stale tokens, never this node.
+    run(driver, "t0", ids(440, 8), out=(), hint={"session": "t"})
+    run(driver, "t1", ids(440, 4) + ids(490, 2), out=(), hint={"session": "t", "edit_from_tokens": 4})
+    assert cache.context_edit_freed_tokens == 4
+    assert all(n in cache.spill.by_anchor for n in kept)
+    assert cache.spill.counters["dropped_tokens"]["orphaned"] == 0
     run(driver, "flood3", ids(200, 150))  # the ended fork's node goes too: spilled, not dropped
     assert cache.spill.counters["dropped_tokens"]["orphaned"] == 0
     assert all(e.state.owner != w1 for e in cache.spill.lru)  # kept as the lead's, not the fork's

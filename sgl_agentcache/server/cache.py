@@ -448,6 +448,7 @@ class AgentRadixCache(UnifiedRadixCache):
         """
         core = self.tree_core
         keep = set(core.path_to(core.node_by_id(req.last_node))) if req.last_node is not None else set()
+        ended = []
         for node in list(core.owner_index.get(owner, ())):
             if node in keep:
                 continue
@@ -462,7 +463,13 @@ class AgentRadixCache(UnifiedRadixCache):
                 if action is not None:
                     self._apply_cache_actions([action])
             core.set_state(node, node.agent.ended())
-        return self._evict_nodes(core.terminated, budget=None)
+            ended.append(node)
+        # The stale nodes go with whatever of the owner's was spilled below them; other ended nodes that
+        # live spilled nodes still hang from stay (see reclaim_terminated): an edit never drops another
+        # branch's host entries.
+        spilled_below = self.spill.by_anchor
+        candidates = core.terminated.difference(spilled_below).union(ended) if spilled_below else core.terminated
+        return self._evict_nodes(candidates, budget=None)
 
     def quota_for(self, plan: InsertPlan) -> int:
         """Forked branches get the branch quota; a session's root branch the (larger) session quota."""
