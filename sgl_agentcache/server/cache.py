@@ -572,6 +572,11 @@ class AgentRadixCache(UnifiedRadixCache):
         core = self.tree_core
         return [n for n in core.all_nodes() if n is not core.root_node and n.key.cache_salt == salt]
 
+    def host_anchors(self) -> set:
+        """Device nodes that host state hangs from: paused branches' copies and spilled nodes. A
+        terminated one stays resident while they do (:meth:`reclaim_terminated`), shared, not leaked."""
+        return set(self.copies.anchors) | set(self.spill.by_anchor)
+
     def reclaim_terminated(self) -> int:
         """Free every terminated node that is an unlocked device leaf, bottom-up. Returns tokens freed."""
         core = self.tree_core

@@ -83,8 +83,7 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
             evictable += len(slots)
 
     if agent_state:
-        anchors = set(cache.copies.anchors) | set(cache.spill.by_anchor)
-        errors.extend(_check_ownership(core, nodes, idle=idle, anchors=anchors))
+        errors.extend(_check_ownership(core, nodes, idle=idle, anchors=cache.host_anchors()))
         errors.extend(_check_host(cache, set(nodes)))
 
     if evictable != cache.evictable_size():

@@ -263,7 +263,7 @@ class _Run:
         # The future, for a clairvoyant policy only (tests hand in a scrambled one).
         self.future = (future or TraceFuture(trace, self.tokens)) if policy.clairvoyant else None
         self.graph = StepGraph(trace, KVFLOW_HOLD_STEPS + 1) if policy.steps else None
-        by_id = {r.id: r for r in trace.requests}
+        self.by_id = by_id = {r.id: r for r in trace.requests}
         self.after_tool = {nxt.id: by_id[rid] for rid, nxt in self.tokens.next_call.items()
                            if by_id[rid].tool is not None}
         self.result = ReplayResult(policy=policy.name, label=policy.label, trace=trace.header.name,
@@ -297,7 +297,6 @@ class _Run:
         for rid, ids in self.blocked_by.items():
             for prerequisite in ids:
                 self.unblocks.setdefault(prerequisite, []).append(rid)
-        self.by_id = {r.id: r for r in trace.requests}
         self.blocked_closes: list[tuple[Event, float]] = []  # closes waiting for their branch's calls
 
     # ---- plumbing ----
@@ -743,7 +742,7 @@ class _Run:
             # Terminated nodes that other branches' nodes still hang below, on the device or on host
             # (spilled nodes, paused copies), are shared, not leaked.
             core, cache = self.cache.tree_core, self.cache
-            held = set(cache.copies.anchors) | set(cache.spill.by_anchor)
+            held = cache.host_anchors()
             r.reclaimed_tokens = cache.freed_on_close_tokens
             r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n) and n not in held)
             r.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - r.leaked_tokens
