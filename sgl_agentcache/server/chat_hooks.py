@@ -210,10 +210,10 @@ async def _finish(pending: _Pending, called: list[str] | None) -> None:
 
     inferred = pending.inferred
     try:
-        if called:
-            await coordinator.pause(pending.namespace, inferred.session, inferred.branch,
-                                    tool_class=_slowest(pending.namespace, called), deadline_ms=None, priority=0,
-                                    resume_required=True, ceilings=auth.ceilings_for(pending.identity))
+        if called:  # in the background: the response (or its [DONE]) is not held back for it
+            coordinator.pause_soon(pending.namespace, inferred.session, inferred.branch,
+                                   tool_class=_slowest(pending.namespace, called), deadline_ms=None, priority=0,
+                                   resume_required=True, ceilings=auth.ceilings_for(pending.identity))
     except Exception:  # noqa: BLE001 - a pause must never fail the call it follows
         logger.warning("agentcache: inferred pause of %s failed", inferred.branch, exc_info=True)
     finally:
@@ -281,6 +281,9 @@ def _around_stream_hook(original, serving, adapted, request, raw_request=None, *
 async def _close(namespace: str, session: str, branch: str, reason: str) -> None:
     from sgl_agentcache.server.http import _send, coordinator
 
+    await coordinator.settle([(namespace, session, branch)])
+    if (namespace, session, branch) in coordinator.active:  # paused meanwhile: not idle after all
+        return
     status, result = await _send("branch_close", {"namespace": namespace, "session": session, "branch": branch})
     if status == 200:
         coordinator.finished(namespace, session, branch, reason=reason)

@@ -11,6 +11,11 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
   deadline gets that maximum: no tool may hold memory forever;
 - a resume is observed either from ``/agentcache/resume`` or from the branch's next request (the
   ingress hook), whichever comes first; the scheduler restores on that request anyway;
+- a pause that follows a response (a ``tool_class`` hint, or an inferred chat pause) runs in the
+  background (:meth:`PauseCoordinator.pause_soon`): the response's final chunk is never held back for
+  the scheduler round trip. Order is kept where it matters: the branch's next request, and every
+  pause, resume or prefetch of that branch, waits for it (:meth:`PauseCoordinator.settle`); every other
+  control route waits for all pending pauses, so what a client reads after a response includes it;
 - prefetch lead time (from "nearly done" to the actual resume) is measured here; when its median over
   the last window falls below ``AGENTCACHE_PREFETCH_MIN_LEAD_MS`` prefetch is refused here (the
   scheduler separately turns it off when its precision falls).
@@ -85,6 +90,7 @@ class PauseCoordinator:
         self.active: dict[tuple[str, str, str], _Active] = {}
         self.leads: deque[float] = deque(maxlen=32)
         self.measured: dict = {}  # rank 0's measured transfer bandwidths, relayed in every pause message
+        self.pending: dict[tuple[str, str, str], asyncio.Task] = {}  # background pauses not yet applied
         self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
                          "deadline_clipped": 0, "prefetch_refused_lead": 0}
 
@@ -105,11 +111,45 @@ class PauseCoordinator:
     def _args(namespace: str, session: str, branch: str) -> dict:
         return {"namespace": namespace, "session": session, "branch": branch}
 
+    def pause_soon(self, namespace: str, session: str, branch: str, **kwargs) -> asyncio.Task:
+        """Start :meth:`pause` in the background and return at once (a response's final chunk does not
+        wait for the scheduler round trip). Until it is applied, the branch's next request, pause,
+        resume and prefetch wait for it, and so does every other control route (:meth:`settle`). A
+        failure is logged, never raised: a pause must never fail the call it follows."""
+        key = (namespace, session, branch)
+        task = asyncio.get_running_loop().create_task(self._pause_logged(key, kwargs))
+        self.pending[key] = task
+        task.add_done_callback(lambda done: self.pending.pop(key) if self.pending.get(key) is done else None)
+        return task
+
+    async def _pause_logged(self, key: tuple[str, str, str], kwargs: dict) -> tuple[int, dict] | None:
+        try:
+            return await self.pause(*key, **kwargs)
+        except Exception:  # noqa: BLE001 - logged: nobody awaits a background pause's result
+            logger.warning("agentcache: pause of %s/%s failed (the HTTP server's coordinator is needed; in an "
+                           "Engine call the pause op directly)", session_label(key[1]), key[2], exc_info=True)
+            return None
+
+    def has_pending(self, keys) -> bool:
+        """Some of ``keys`` ((namespace, session, branch)) have a background pause not yet applied."""
+        return bool(self.pending) and any(key in self.pending for key in keys)
+
+    async def settle(self, keys=None) -> None:
+        """Wait until the background pauses of ``keys`` (all of them when None) are applied; never the
+        caller's own task. Waiting never cancels them (a client that disconnects meanwhile does not
+        undo a pause)."""
+        current = asyncio.current_task()
+        tasks = [task for key, task in list(self.pending.items())
+                 if task is not current and (keys is None or key in keys)]
+        if tasks:
+            await asyncio.wait(tasks)
+
     async def pause(self, namespace: str, session: str, branch: str, *, tool_class: str, deadline_ms: int | None,
                     priority: int, resume_required: bool, ceilings=None) -> tuple[int, dict]:
         """``ceilings`` (a tenant's :class:`~sgl_agentcache.tenancy.Ceilings`) can only lower the
         maximum retention and the scheduler's caps on kept branches and tokens."""
         key = (namespace, session, branch)
+        await self.settle((key,))  # an earlier background pause of the branch is applied first
         max_retention = self.max_retention_s
         if ceilings is not None and ceilings.max_retention_s is not None:
             max_retention = min(max_retention, ceilings.max_retention_s)
@@ -145,6 +185,7 @@ class PauseCoordinator:
 
     async def resume(self, namespace: str, session: str, branch: str, *, by_request: bool = False) -> tuple[int, dict]:
         key = (namespace, session, branch)
+        await self.settle((key,))
         active = self.active.pop(key, None)
         if active is not None:
             waited = self.clock() - active.started
@@ -167,6 +208,7 @@ class PauseCoordinator:
     async def prefetch(self, namespace: str, session: str, branch: str,
                        expected_remaining_ms: int | None, ceilings=None) -> tuple[int, dict]:
         key = (namespace, session, branch)
+        await self.settle((key,))
         active = self.active.get(key)
         if active is None:
             return 404, {"error": f"branch {session}/{branch} is not paused (nothing changed)"}
@@ -182,8 +224,10 @@ class PauseCoordinator:
         return status, result
 
     def note_request(self, namespace: str, session: str, branch: str) -> None:
-        """The branch's next request arrived (ingress): the tool returned."""
-        if (namespace, session, branch) in self.active:
+        """The branch's next request arrived (ingress): the tool returned (a pause still pending is
+        applied first, then resumed)."""
+        key = (namespace, session, branch)
+        if key in self.active or key in self.pending:
             asyncio.get_running_loop().create_task(self.resume(namespace, session, branch, by_request=True))
 
     def forget(self, namespace: str, session: str | None = None, branch: str | None = None) -> None:

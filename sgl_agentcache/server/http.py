@@ -45,6 +45,9 @@ async def _body(request: Request, kind: type):
 
 
 async def _forward(op_name: str, args: dict | None = None, extra: dict | None = None) -> JSONResponse:
+    """Run a control op once every background pause is applied (what a client reads or changes after
+    a response includes the pause that response started)."""
+    await coordinator.settle()
     status, result = await _send(op_name, args or {})
     return JSONResponse(result | extra if status == 200 and extra else result, status_code=status)
 
@@ -81,6 +84,7 @@ async def _scoped(request: Request, kind: type) -> _Scope | JSONResponse:
 async def stats(request: Request) -> JSONResponse:
     """Operators (and every caller without tenancy): backend identity, resident tokens per lifecycle
     class, size counters (scheduler rank 0's tree). A tenant: its own namespace only."""
+    await coordinator.settle()
     identity = auth.identity_of(request)
     if auth.tenancy is not None and identity is not None and identity.tenant is not None:
         namespace = namespace_key(None, auth.bound_salt(identity))
@@ -137,6 +141,7 @@ async def branch_close(request: Request) -> JSONResponse:
     if isinstance(scope, JSONResponse):
         return scope
     ref = scope.ref
+    await coordinator.settle()  # a pause still being applied is closed with the branch, not after it
     coordinator.forget(scope.namespace, ref.session, ref.branch)
     response = await _forward("branch_close", {"namespace": scope.namespace, "session": ref.session,
                                                "branch": ref.branch})
@@ -153,6 +158,7 @@ async def session_close(request: Request) -> JSONResponse:
     if isinstance(scope, JSONResponse):
         return scope
     ref = scope.ref
+    await coordinator.settle()
     coordinator.forget(scope.namespace, ref.session)
     if scope.identity is not None:
         auth.tenancy.tombstone(scope.identity.tenant, ref.session, time.time())
@@ -217,6 +223,7 @@ async def purge(request: Request) -> JSONResponse:
     if ref.tenant not in auth.tenancy.config.tenants:
         return JSONResponse({"error": f"unknown tenant {ref.tenant!r} (nothing changed)"}, status_code=404)
     salt = auth.tenancy.salt(ref.tenant)
+    await coordinator.settle()
     dropped = coordinator.purge(namespace_key(None, salt))
     chat_hooks.forget_namespace(namespace_key(None, salt))
     response = await _forward("purge", {"cache_salt": salt}, extra={"tenant": ref.tenant, "pauses_dropped": dropped})

@@ -185,21 +185,33 @@ def queue_priority(tokenizer_manager, obj, request=None) -> None:
             obj.priority = sign * asked["priority"]
 
 
-def _note_resumes(obj) -> None:
-    """A request of a paused branch means its tool returned: tell the pause coordinator (its clock)."""
+def _branch_keys(obj, parents: bool = False) -> list[tuple[str, str, str]]:
+    """(namespace, session, branch) of every lifecycle hint of a (validated, bound) request; with
+    ``parents``, of the branches its forks fork from too."""
     from sgl_agentcache.lifecycle import namespace_key
-    from sgl_agentcache.server.http import coordinator
 
-    if not coordinator.active:
-        return
     envelopes = obj.kv_hints if isinstance(obj.kv_hints, list) else [obj.kv_hints]
+    keys = []
     for i, envelope in enumerate(envelopes):
         hint = find_lifecycle_hint(envelope)
         if hint is None:
             continue
         pick = lambda v: v[i] if isinstance(v, list) else v  # noqa: E731 - batched requests carry lists
         namespace = namespace_key(pick(getattr(obj, "extra_key", None)), pick(getattr(obj, "cache_salt", None)))
-        coordinator.note_request(namespace, hint.session, hint.branch)
+        keys.append((namespace, hint.session, hint.branch))
+        if parents and hint.parent_branch is not None:
+            keys.append((namespace, hint.session, hint.parent_branch))
+    return keys
+
+
+def _note_resumes(obj) -> None:
+    """A request of a paused branch means its tool returned: tell the pause coordinator (its clock)."""
+    from sgl_agentcache.server.http import coordinator
+
+    if not coordinator.active and not coordinator.pending:
+        return
+    for key in _branch_keys(obj):
+        coordinator.note_request(*key)
 
 
 def _watched(obj) -> tuple | None:
@@ -223,11 +235,30 @@ def _watched(obj) -> tuple | None:
 
 def _around_generate_request(original, tokenizer_manager, obj, *args, **kwargs):
     """Act on how a call ends: a hint with ``tool_class`` pauses the branch on that tool when the call
-    finishes normally (decided and applied before the final response is returned, so the client sees
-    it); ``close`` completes the branch; an aborted fork is cancelled (event log)."""
+    finishes normally (in the background: the final chunk is not held back for it); ``close`` completes
+    the branch; an aborted fork is cancelled (event log). A request of a branch (or a fork of a
+    branch) whose pause is still being applied waits for it before it reaches the scheduler: a pause
+    never lands after the turn that ends it, nor after a fork the agent made once it had the reply."""
+    from sgl_agentcache.server.http import coordinator
+
     watched = _watched(obj)
     gen = original(tokenizer_manager, obj, *args, **kwargs)
-    return gen if watched is None else _on_finish(gen, *watched)
+    if watched is not None:
+        gen = _on_finish(gen, *watched)
+    if coordinator.pending and getattr(obj, "kv_hints", None):
+        keys = _branch_keys(obj, parents=True)  # a fork, too, starts after its parent's pause
+        if coordinator.has_pending(keys):
+            gen = _after_pending(gen, keys)
+    return gen
+
+
+async def _after_pending(gen, keys):
+    """``gen``, started once the pending pauses of ``keys`` are applied."""
+    from sgl_agentcache.server.http import coordinator
+
+    await coordinator.settle(keys)
+    async for item in gen:
+        yield item
 
 
 async def _on_finish(gen, namespace: str, hint):
@@ -244,16 +275,9 @@ async def _on_finish(gen, namespace: str, hint):
         elif finish is not None and not aborted and hint.close:
             coordinator.finished(namespace, hint.session, hint.branch, state="completed", reason="hint")
         elif finish is not None and not aborted and hint.tool_class:
-            try:
-                await coordinator.pause(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
-                                        deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
-                                        resume_required=True, ceilings=ceilings)
-            except Exception:  # noqa: BLE001 - a pause must never fail the call it follows
-                from sgl_agentcache.tenancy import session_label
-
-                logger.warning("agentcache: pause action of %s/%s failed (the HTTP server's coordinator is "
-                               "needed; in an Engine call the pause op directly)", session_label(hint.session),
-                               hint.branch, exc_info=True)
+            coordinator.pause_soon(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
+                                   deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
+                                   resume_required=True, ceilings=ceilings)
         yield item
 
 

@@ -1,0 +1,171 @@
+"""A hinted pause runs in the background: the response's final chunk is not held back for it, and order
+is kept where it matters (the branch's next request, its resume, every control route).
+
+The coordinator and the ingress hooks are the real ones; only the scheduler round trip (``send``) is a
+stand-in whose replies the test releases, because the point is what happens while it is outstanding.
+The real-server paths (a pause hint, then stats, resume and the next turn) are covered by
+tests/test_pauses_server.py and tests/test_lazy_pauses_server.py, which run through the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_agentcache.hints import lifecycle_envelope
+from sgl_agentcache.lifecycle import namespace_key
+from sgl_agentcache.server import http, ingress
+from sgl_agentcache.server.coordinator import PauseCoordinator
+
+NS = namespace_key(None, None)
+KEY = (NS, "s1", "main")
+
+
+class HeldScheduler:
+    """``send`` for the coordinator: every op is logged; a pause waits until the test releases it."""
+
+    def __init__(self):
+        self.ops: list[str] = []
+        self.release = asyncio.Event()
+        self.fail = False
+
+    async def send(self, op: str, args: dict):
+        self.ops.append(f"{op}:start")
+        if op == "pause":
+            await self.release.wait()
+            if self.fail:
+                raise ConnectionError("scheduler went away")
+        self.ops.append(f"{op}:done")
+        return 200, {"paused": True, "action": "offload", "tokens": 64}
+
+
+@pytest.fixture
+def held(monkeypatch):
+    scheduler = HeldScheduler()
+    coordinator = PauseCoordinator(send=scheduler.send, clock=lambda: 0.0)
+    monkeypatch.setattr(http, "coordinator", coordinator)
+    return scheduler, coordinator
+
+
+def _request(**hint):
+    envelope = lifecycle_envelope({"session": "s1", "branch": "main", **hint}, message_id="m1")
+    return SimpleNamespace(kv_hints=envelope, extra_key=None, cache_salt=None)
+
+
+def _turn(ops: list[str], name: str):
+    """A stand-in for SGLang's generate_request: logs when it starts, yields a final chunk."""
+
+    async def generate(tokenizer_manager, obj):
+        ops.append(f"{name}:start")
+        yield {"text": "ok", "meta_info": {"finish_reason": {"type": "stop"}}}
+
+    return generate
+
+
+def test_final_chunk_is_not_held_back_by_the_pause(held):
+    scheduler, coordinator = held
+
+    async def main():
+        gen = ingress._around_generate_request(_turn(scheduler.ops, "turn1"), None, _request(tool_class="bash"))
+        chunks = [item async for item in gen]
+        # The final chunk is out while the pause's scheduler round trip is still outstanding.
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+        assert scheduler.ops == ["turn1:start"] and coordinator.has_pending([KEY])
+        await asyncio.sleep(0.01)
+        assert scheduler.ops == ["turn1:start", "pause:start"]
+        assert coordinator.has_pending([KEY]) and KEY not in coordinator.active
+        scheduler.release.set()
+        await coordinator.settle()
+        assert scheduler.ops[-1] == "pause:done"
+        assert KEY in coordinator.active and not coordinator.pending
+        coordinator.forget(NS, "s1")  # cancel the deadline timer
+
+    asyncio.run(main())
+
+
+def test_next_request_of_the_branch_waits_for_its_pause(held):
+    scheduler, coordinator = held
+
+    async def main():
+        first = ingress._around_generate_request(_turn(scheduler.ops, "turn1"), None, _request(tool_class="bash"))
+        [item async for item in first]
+        nxt = _request()
+        ingress._note_resumes(nxt)  # the BEFORE hook: the tool returned
+        second = ingress._around_generate_request(_turn(scheduler.ops, "turn2"), None, nxt)
+        other = ingress._around_generate_request(_turn(scheduler.ops, "other"), None,
+                                                 SimpleNamespace(kv_hints=lifecycle_envelope(
+                                                     {"session": "s2", "branch": "main"}, message_id="m2"),
+                                                     extra_key=None, cache_salt=None))
+        consumer = asyncio.create_task(_drain(second))
+        await _drain(other)  # another branch does not wait
+        await asyncio.sleep(0.01)
+        assert "turn2:start" not in scheduler.ops and "other:start" in scheduler.ops
+        scheduler.release.set()
+        await consumer
+        assert scheduler.ops.index("pause:done") < scheduler.ops.index("turn2:start")
+        await asyncio.sleep(0)  # the resume noted by the BEFORE hook runs after the pause too
+        assert KEY not in coordinator.active and coordinator.counters["resumes_by_request"] == 1
+
+    asyncio.run(main())
+
+
+def test_control_routes_and_waiters_see_the_pause_and_never_cancel_it(held):
+    scheduler, coordinator = held
+
+    async def main():
+        task = coordinator.pause_soon(*KEY, tool_class="bash", deadline_ms=None, priority=0, resume_required=True)
+        waiter = asyncio.create_task(coordinator.settle())
+        await asyncio.sleep(0.01)
+        waiter.cancel()  # a client that disconnects while waiting
+        await asyncio.sleep(0)
+        assert not task.done()
+        resume = asyncio.create_task(coordinator.resume(*KEY))  # the route waits, then resumes
+        await asyncio.sleep(0.01)
+        assert "resume:start" not in scheduler.ops
+        scheduler.release.set()
+        status, _ = await resume
+        assert status == 200 and task.done()
+        assert scheduler.ops == ["pause:start", "pause:done", "resume:start", "resume:done"]
+
+    asyncio.run(main())
+
+
+def test_a_failed_background_pause_is_logged_and_cleared(held, caplog):
+    scheduler, coordinator = held
+    scheduler.fail = True
+
+    async def main():
+        task = coordinator.pause_soon(*KEY, tool_class="bash", deadline_ms=None, priority=0, resume_required=True)
+        scheduler.release.set()
+        assert await task is None
+        assert not coordinator.pending and KEY not in coordinator.active
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(main())
+    assert "pause of s1/main failed" in caplog.text
+
+
+async def _drain(gen):
+    return [item async for item in gen]
+
+
+def test_a_fork_of_a_branch_waits_for_its_parents_pause(held):
+    scheduler, coordinator = held
+
+    async def main():
+        first = ingress._around_generate_request(_turn(scheduler.ops, "lead"), None, _request(tool_class="bash"))
+        [item async for item in first]
+        fork = SimpleNamespace(kv_hints=lifecycle_envelope({"session": "s1", "branch": "sub1", "parent_branch": "main"},
+                                                           message_id="m3"), extra_key=None, cache_salt=None)
+        consumer = asyncio.create_task(_drain(ingress._around_generate_request(_turn(scheduler.ops, "fork"), None, fork)))
+        await asyncio.sleep(0.01)
+        assert "fork:start" not in scheduler.ops
+        scheduler.release.set()
+        await consumer
+        assert scheduler.ops.index("pause:done") < scheduler.ops.index("fork:start")
+        coordinator.forget(NS, "s1")
+
+    asyncio.run(main())
