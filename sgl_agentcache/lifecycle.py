@@ -1,6 +1,7 @@
 """Lifecycle state carried by every radix node, and the pure rules over it (no SGLang, no torch).
 
-A node's *class* says how valuable its KV is likely to be to future turns:
+A node's *class* says how valuable its KV is likely to be to future turns (what that is worth, per
+token and per tier, is the retention policy's business: :mod:`sgl_agentcache.policy.retention`):
 
 - ``STABLE``  -- system prompt, tool schema: reused by nearly every turn of every session.
 - ``SESSION`` -- the growing conversation of one trajectory (a branch that was not forked).
@@ -32,10 +33,6 @@ class NodeClass(IntEnum):
     SCRATCH = 1
     SESSION = 2
     STABLE = 3
-
-
-#: Retention value of each class (higher is evicted later); terminated nodes are 0 whatever their class.
-RETENTION_VALUE = {NodeClass.UNTAGGED: 1, NodeClass.SCRATCH: 1, NodeClass.SESSION: 2, NodeClass.STABLE: 3}
 
 
 class BranchKey(NamedTuple):
@@ -72,34 +69,6 @@ class NodeState(NamedTuple):
 #: The one state every node is born with, and that of every node a request without a lifecycle hint
 #: inserts (states are immutable, so one value serves them all).
 UNTAGGED_STATE = NodeState()
-
-
-#: Retention value of a node whose branch is paused on a tool call with a KEEP decision (pinned).
-KEPT_VALUE = 4
-
-#: Retention value of a live node whose branch holds more than its quota: under pressure such a
-#: branch is trimmed (its own oldest nodes first) before anything else that is alive.
-OVER_QUOTA_VALUE = 0.5
-
-
-def eviction_rank(state: NodeState, session_ref: int, last_access: float, kept: bool = False,
-                  anchor: bool = False, over_quota: bool = False) -> tuple:
-    """Sort key for eviction; the smallest leaf is evicted first.
-
-    Lifecycle value first (terminated < over quota < scratch = untagged < session < stable < kept: a
-    branch paused with a KEEP decision), then SGLang's session-radix references (unreferenced before
-    referenced, fewer before more; all 0 without ``--enable-session-radix-cache``), then recency.
-    Untagged traffic therefore keeps stock LRU order. A branch over its quota may use free memory, but
-    under pressure its nodes go first (quotas bound fairness, not a branch's useful context). An
-    ``anchor`` -- the node an offloaded branch's host copy hangs from -- is worth at least a stable
-    prefix: without it the host copy cannot be restored. That holds even when the anchor's own branch
-    has ended (a closed sibling created the prefix the copy shares).
-    """
-    value = (0 if state.terminated else OVER_QUOTA_VALUE if over_quota else KEPT_VALUE if kept
-             else RETENTION_VALUE[state.cls])
-    if anchor:
-        value = max(value, RETENTION_VALUE[NodeClass.STABLE])
-    return (value, session_ref > 0, session_ref, last_access)
 
 
 class InsertPlan:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -121,9 +122,11 @@ def _discarded(host: int) -> "Lazy":
     h = Lazy(pool=1024, host=host)
     h.turn(ids(3, 500), "early")
     h.turn(ids(4, 300), "gone")
-    h.cache.pauses.settings.prefill_tokens_per_s = 1e12  # recomputing it costs nothing: not worth host room
+    settings = h.cache.pauses.settings
+    rate, settings.prefill_tokens_per_s = settings.prefill_tokens_per_s, 1e12  # recompute is free: DISCARD
     result = h.pause("gone", LONG, tool_class="ci_run", resume_probability=0.05)
     assert result["action"] == "discard", result
+    settings.prefill_tokens_per_s = rate  # at the real rate host copies pay again (the spill needs that)
     for k in range(2):
         h.turn(ids(200 + k, 500), f"other{k}")
     return h
@@ -293,4 +296,36 @@ def test_a_prefetch_is_judged_by_its_own_path_not_by_the_branchs_other_resident_
     assert h.resident("a") >= got["restored_tokens"]  # the old, biased rule would call it used
     assert h.turn(head + [7] + tail + [7, 9], "a") >= len(head) + len(tail)  # loaded back at the resume
     assert pauses.prefetch["wasted"] == 1 and pauses.prefetch["used"] == 0
+    h.assert_clean()
+
+
+def test_a_pause_prices_the_host_entries_its_offload_would_displace():
+    """Free host room costs nothing; a full host costs the learned reuse rate times what a host copy
+    saves, per token the copy would push out (the retention policy's value)."""
+    roomy = Lazy(pool=1024, host=4096)
+    roomy.turn(ids(3, 300), "agent")
+    agent = BranchKey(NS, "agent", "main")
+    assert roomy.cache.pauses.inputs(agent, LONG).host_displaced_s == 0.0
+
+    tight = Lazy(pool=1024, host=600)
+    for k in range(3):  # fill the host tier with other sessions' spilled history
+        tight.turn(ids(100 + k, 450), f"other{k}")
+    tight.turn(ids(3, 300), "agent")
+    host = tight.cache.pauses.host
+    inputs = tight.cache.pauses.inputs(agent, LONG)
+    past_free = inputs.retained_tokens - host.free_tokens()
+    assert past_free > 0 and tight.cache.spill.tokens > 0
+    model = tight.cache.retention
+    per_token = tight.cache.spill.reuse_rate() * (model.recompute_s - model.reload_s)
+    assert inputs.host_displaced_s == pytest.approx(past_free * per_token)
+    tight.assert_clean()
+
+
+def test_nothing_is_spilled_when_a_host_copy_would_save_nothing():
+    h = Lazy(pool=1024, host=4096)
+    h.cache.pauses.settings.prefill_tokens_per_s = 1e12  # re-prefill is cheaper than any reload
+    for k in range(4):
+        h.turn(ids(10 + k, 450), f"s{k}")
+    spill = h.cache.spill
+    assert spill.tokens == 0 and spill.counters["spills"] == 0 and spill.counters["spill_skipped_no_gain"] > 0
     h.assert_clean()

@@ -1,4 +1,5 @@
-"""Pure lifecycle rules: eviction rank, insert plans, bounded branch sets (no SGLang)."""
+"""Pure lifecycle rules: insert plans, bounded branch sets (no SGLang). The eviction rank over these
+states is the retention policy's (tests/test_retention.py)."""
 
 from __future__ import annotations
 
@@ -14,36 +15,12 @@ from sgl_agentcache.lifecycle import (
     NodeClass,
     NodeState,
     RecentBranches,
-    eviction_rank,
     namespace_key,
     namespace_salt,
     split_namespace,
 )
 
 B = BranchKey("|", "s", "b")
-
-
-def test_eviction_order_is_terminated_scratch_session_stable_then_refs_then_recency():
-    nodes = {
-        "stable_old": (NodeState(NodeClass.STABLE), 0, 1.0),
-        "session_ref": (NodeState(NodeClass.SESSION, B), 2, 0.5),
-        "session_new": (NodeState(NodeClass.SESSION, B), 0, 9.0),
-        "session_old": (NodeState(NodeClass.SESSION, B), 0, 2.0),
-        "scratch_ref": (NodeState(NodeClass.SCRATCH, B), 1, 0.1),
-        "scratch_new": (NodeState(NodeClass.SCRATCH, B), 0, 8.0),
-        "untagged_mid": (NodeState(), 0, 4.0),
-        "dead_stable": (NodeState(NodeClass.STABLE, None, terminated=True), 5, 99.0),
-        "dead_scratch": (NodeState(NodeClass.SCRATCH, B, terminated=True), 0, 50.0),
-    }
-    order = sorted(nodes, key=lambda name: eviction_rank(*nodes[name]))
-    assert order == ["dead_scratch", "dead_stable", "untagged_mid", "scratch_new", "scratch_ref",
-                     "session_old", "session_new", "session_ref", "stable_old"]
-
-
-@given(st.lists(st.floats(allow_nan=False), min_size=2, max_size=20))
-def test_untagged_traffic_keeps_stock_lru_order(times):
-    ranked = sorted(times, key=lambda t: eviction_rank(UNTAGGED_STATE, 0, t))
-    assert ranked == sorted(times)
 
 
 def test_plan_for_root_branch():

@@ -86,7 +86,8 @@ def pause_inputs(draw, latency=latencies) -> PauseInputs:
         priority=draw(st.integers(-100, 100)),
         resume_probability=draw(st.floats(0.1, 1.0) | st.floats(0.0, 1.0)),
         prefetch_lead_s=draw(st.just(0.0) | st.floats(0.0, 1.0)),
-        placement=draw(st.sampled_from(list(Placement))), previous=draw(previous))
+        placement=draw(st.sampled_from(list(Placement))), previous=draw(previous),
+        host_displaced_s=draw(st.just(0.0) | st.floats(0.0, 100.0)))
 
 
 @given(pause_inputs())
@@ -140,6 +141,26 @@ def test_cheaper_recompute_never_makes_offload_more_likely(i, faster):
     if slow_action is DISCARD:
         assert quick_action is DISCARD
     assert not (slow_action is DISCARD and quick_action is OFFLOAD)
+
+
+@given(pause_inputs(), st.floats(0.0, 1000.0))
+def test_more_valuable_host_state_in_the_way_never_makes_offload_more_likely(i, more):
+    crowded = dataclasses.replace(i, host_displaced_s=i.host_displaced_s + more)
+    if decide(crowded, NO_HYSTERESIS).action is OFFLOAD:
+        assert decide(i, NO_HYSTERESIS).action is OFFLOAD
+
+
+def test_host_memory_is_priced_by_what_an_offload_displaces():
+    """The same pause offloads into free host room, and discards when its copy would push out host
+    entries worth more than re-prefilling it (a 0.5 resume probability, a cheap prefill)."""
+    base = dataclasses.replace(seed_inputs(5.0), resume_probability=0.5, prefill_tokens_per_s=200_000.0)
+    free = decide(base, NO_HYSTERESIS)
+    assert free.action is OFFLOAD and free.option(OFFLOAD).recompute_s == 0.0
+    crowded = decide(dataclasses.replace(base, host_displaced_s=base.retained_tokens / 200_000.0), NO_HYSTERESIS)
+    assert crowded.action is DISCARD, crowded.reason
+    assert crowded.option(OFFLOAD).recompute_s == pytest.approx(base.retained_tokens / 200_000.0)
+    on_host = dataclasses.replace(base, placement=Placement.HOST, host_displaced_s=100.0)
+    assert decide(on_host, NO_HYSTERESIS).option(OFFLOAD).recompute_s == 0.0  # once on host it is sunk
 
 
 @given(pause_inputs())

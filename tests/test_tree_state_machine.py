@@ -54,7 +54,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_agentcache.hints import lifecycle_envelope
-from sgl_agentcache.lifecycle import OVER_QUOTA_VALUE, RETENTION_VALUE, BranchKey, NodeClass
+from sgl_agentcache.lifecycle import BranchKey, NodeClass
 from sgl_agentcache.server.offline import (
     OfflineDriver,
     OfflineOutOfMemory,
@@ -585,9 +585,15 @@ class TreeMachine(RuleBasedStateMachine):
     def _check_delta(self, snap: dict[int, Tok], owned: dict[BranchKey, int]) -> None:
         prev, ctx = self.prev, self.ctx
         inserters = [ctx.inserter] if ctx.inserter else []
-        # Tokens that stayed keep class, owner and slot; they can only become terminated.
+        # Tokens that stayed keep class, owner and slot; they can only become terminated -- or, reused
+        # by a request of the same session, another branch's live scratch becomes that request's
+        # lead's history (AgentRadixCache._adopt_shared_context).
         for key in prev.keys() & snap.keys():
             a, b = prev[key], snap[key]
+            if (a.cls, a.owner) != (b.cls, b.owner) and _adopted(a, b, ctx):
+                event("a request adopted another branch's scratch as its lead's history")
+                assert (a.slot, a.depth) == (b.slot, b.depth), (a, b)
+                continue
             assert (a.cls, a.owner, a.slot, a.depth) == (b.cls, b.owner, b.slot, b.depth), (a, b)
             assert b.terminated or not a.terminated, (a, b)
         # Tokens that left were unlocked, or locked only by a request released in this step.
@@ -626,8 +632,25 @@ class TreeMachine(RuleBasedStateMachine):
                 event("a branch owns more than its quota")
 
 
+def _adopted(a, b, ctx) -> bool:
+    """``a`` -> ``b`` is an adoption: a live SCRATCH token of another branch of the inserting request's
+    session took the class and owner of that request's lead (its parent for a fork, else itself)."""
+    live = ctx.inserter
+    if live is None or live.own is None or a.cls is not NodeClass.SCRATCH or a.terminated or b.terminated:
+        return False
+    lead = live.parent if live.is_fork else live.own
+    heir = (NodeClass.SESSION, lead) if live.is_fork else live.own_state()
+    return (b.cls, b.owner) == heir and a.owner not in (None, live.own, lead) \
+        and (a.owner.namespace, a.owner.session) == (lead.namespace, lead.session)
+
+
+#: The lifecycle order eviction must respect, written out here independently of the retention policy:
+#: ended < over quota < scratch = untagged < session < stable.
+_ORDER = {NodeClass.UNTAGGED: 1, NodeClass.SCRATCH: 1, NodeClass.SESSION: 2, NodeClass.STABLE: 3}
+
+
 def _value(state, over_quota: bool) -> float:
-    return 0 if state.terminated else OVER_QUOTA_VALUE if over_quota else RETENTION_VALUE[state.cls]
+    return 0 if state.terminated else 0.5 if over_quota else _ORDER[state.cls]
 
 
 TreeMachine.TestCase.settings = settings(

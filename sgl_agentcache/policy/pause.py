@@ -26,13 +26,19 @@ X (PCIe seconds), recompute time C (prefill seconds) and resume penalty P (secon
 
     state on DEVICE        M                  X                  C           P
       KEEP                 B * E_inf          0                  0           0
-      OFFLOAD              B * E_{t_out}      t_out + p_eff t_in 0           p_eff max(0, t_in - l)
+      OFFLOAD              B * E_{t_out}      t_out + p_eff t_in H           p_eff max(0, t_in - l)
       DISCARD              0                  0                  p_eff t_rc  p_eff t_rc
     state on HOST (offloaded earlier: the swap-out is sunk)
       KEEP (restore now)   B * E_inf          t_in               0           0
       OFFLOAD (stay)       0                  p_eff t_in         0           p_eff max(0, t_in - l)
       DISCARD              0                  0                  p_eff t_rc  p_eff t_rc
     state NONE (discarded earlier): only DISCARD
+
+Host memory is not free: ``H`` (``host_displaced_s``) is the expected re-prefill time of the host
+entries an offload of N tokens would displace, valued by the retention policy
+(:func:`~sgl_agentcache.policy.retention.displaced_host_seconds`: 0 while the copy fits in free room;
+past it, the learned host reuse rate times what a host copy saves per token). It is recompute other
+requests will pay, so it is priced like recompute (b); once the copy is on host it is sunk.
 
 Swap-out overlaps the wait (the seed's assumption), so the resume sees only the restore, minus what a
 "tool nearly done" prefetch hides (l). The HBM copy stays until the swap-out ends, hence B * E_{t_out}.
@@ -59,6 +65,8 @@ Monotonicity (for fixed placement, previous decision and config), by constructio
    grows, and RELEASE (p_eff below the bar) only becomes more likely.
 3. Cheaper recompute never makes OFFLOAD more likely: prefill_rate enters only cost_DISCARD, which
    falls as the rate rises; DISCARD can only gain.
+4. More valuable host state in the way (a larger H) never makes OFFLOAD more likely: H enters only
+   cost_OFFLOAD from the device, and raises it.
 """
 
 from __future__ import annotations
@@ -143,6 +151,7 @@ class PauseInputs:
     prefetch_lead_s: float = 0.0  # how early a "tool nearly done" hint lets a restore start
     placement: Placement = Placement.DEVICE
     previous: Incumbent | None = None
+    host_displaced_s: float = 0.0  # H: expected re-prefill seconds of the host entries an offload displaces
 
     def __post_init__(self) -> None:
         for name in ("retained_tokens", "device_free_tokens", "device_evictable_tokens", "host_free_bytes"):
@@ -151,7 +160,7 @@ class PauseInputs:
         _require("device_total_tokens", self.device_total_tokens > 0)
         for name in ("h2d_bandwidth_Bps", "d2h_bandwidth_Bps", "prefill_tokens_per_s"):
             _require(name, 0.0 < getattr(self, name) < math.inf)
-        for name in ("elapsed_s", "prefetch_lead_s"):
+        for name in ("elapsed_s", "prefetch_lead_s", "host_displaced_s"):
             _require(name, 0.0 <= getattr(self, name) < math.inf)
         _require("deadline_s", self.deadline_s is None or not math.isnan(self.deadline_s))
         _require("resume_probability", 0.0 <= self.resume_probability <= 1.0)
@@ -184,6 +193,7 @@ class InputsEcho(msgspec.Struct, frozen=True):
     prefetch_lead_s: float
     placement: Placement
     previous: Incumbent | None
+    host_displaced_s: float = 0.0
 
 
 class OptionCost(msgspec.Struct, frozen=True):
@@ -193,7 +203,7 @@ class OptionCost(msgspec.Struct, frozen=True):
     feasible: bool
     device_byte_seconds: float  # HBM held: bytes x seconds
     transfer_s: float  # PCIe time, out and (expected) back
-    recompute_s: float  # expected prefill time
+    recompute_s: float  # expected prefill time (for OFFLOAD: of the host entries it displaces)
     resume_penalty_s: float  # expected delay the resume sees
     cost: float
 
@@ -235,7 +245,7 @@ def _echo(i: PauseInputs) -> InputsEcho:
         i.retained_tokens, i.bytes_per_token, q(0.5), q(0.95), q(0.99), i.elapsed_s, i.deadline_s,
         i.device_free_tokens, i.device_evictable_tokens, i.device_total_tokens, i.host_free_bytes,
         i.h2d_bandwidth_Bps, i.d2h_bandwidth_Bps, i.prefill_tokens_per_s, i.priority, i.resume_probability,
-        i.prefetch_lead_s, i.placement, i.previous)
+        i.prefetch_lead_s, i.placement, i.previous, i.host_displaced_s)
 
 
 def decide(inputs: PauseInputs, config: PolicyConfig | None = None) -> PauseDecision:
@@ -262,8 +272,9 @@ def decide(inputs: PauseInputs, config: PolicyConfig | None = None) -> PauseDeci
     rows = {  # action: (M, X, C, P, feasible), per the table in the module docstring
         PauseAction.KEEP: (b * wait, t_in if on_host else 0.0, 0.0, 0.0,
                            on_device or (on_host and room_on_device)),
-        PauseAction.OFFLOAD: (0.0 if on_host else b * wait_out, p * t_in + (0.0 if on_host else t_out), 0.0,
-                              p * restore_wait, on_host or (on_device and i.host_free_bytes >= b)),
+        PauseAction.OFFLOAD: (0.0 if on_host else b * wait_out, p * t_in + (0.0 if on_host else t_out),
+                              0.0 if on_host else i.host_displaced_s, p * restore_wait,
+                              on_host or (on_device and i.host_free_bytes >= b)),
         PauseAction.DISCARD: (0.0, 0.0, p * t_rc, p * t_rc, True),
     }
     price = (lam, cfg.transfer_price, cfg.recompute_price, w)

@@ -16,8 +16,10 @@ What it adds to the stock cache:
   own oldest first), before anything else alive, and go to host only into free room;
 - closing a branch (route, ``close`` hint, abort of a fork, session close) stamps its nodes terminated and frees the
   unlocked ones in the same scheduler step; locked ones go when their request releases them;
-- eviction ranks leaves by :func:`~sgl_agentcache.lifecycle.eviction_rank` (terminated, over quota,
-  scratch, session, stable; then session-radix references; then the configured policy).
+- eviction ranks leaves by the retention policy's :func:`~sgl_agentcache.policy.retention.device_rank`
+  (band: ended, over quota, valued, pinned; then value per token, which orders scratch = untagged <
+  session < stable; then session-radix references; then the configured policy), the same policy that
+  ranks host entries (``spill.py``) and prices host memory in pause decisions (``pauses.py``).
 
 All decisions depend only on the tree and the order of messages, never on a clock, so every TP rank
 takes the same ones.
@@ -41,10 +43,12 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.fork_points import BranchContexts
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
-from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, NodeClass, RecentBranches, eviction_rank,
+from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, NodeClass, RecentBranches,
                                       namespace_key, namespace_salt)
+from sgl_agentcache.policy.retention import RetentionModel, device_rank
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.agreement import default_agreement
+from sgl_agentcache.server.copy_ahead import COPY_AHEAD_TOKENS_ENV, CopyAhead, copy_ahead_wanted
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
@@ -127,6 +131,12 @@ class AgentRadixCache(UnifiedRadixCache):
         # Evicted nodes kept on the host tier and loaded back on a later match (HiCache's write-back
         # semantics; HiCache itself never runs beside this cache, see server/topology.py).
         self.spill = SpillTier(self, self.pauses.host, enabled=False)
+        # Spill copies made by a worker thread before eviction needs them (server/copy_ahead.py).
+        allocator = self.token_to_kv_pool_allocator
+        self.copy_ahead = CopyAhead(self, int(os.environ.get(COPY_AHEAD_TOKENS_ENV, 0)) or max(pool // 16, 1),
+                                    enabled=copy_ahead_wanted(getattr(allocator, "device", None)))
+        self._retention: tuple | None = None  # (rates, model): see the retention property
+        self._device_values: dict = {}  # the model's device value per class, looked up per candidate leaf
         self.set_host_spill(os.environ.get(HOST_SPILL_ENV, "1") == "1")
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # Every copy between the device and the host tier is followed by one agreement step, so a copy
@@ -145,9 +155,23 @@ class AgentRadixCache(UnifiedRadixCache):
         full.session_ref_eviction_strategy = lambda node: self.eviction_key(
             node, full.session_ref(node), base.get_priority(node))
 
+    @property
+    def retention(self) -> RetentionModel:
+        """What a token is worth on each tier (policy/retention.py), at the pause settings' rates: the
+        deployment profile's, never a rank's own measurements, so every TP rank ranks alike. Rebuilt
+        when those settings change (the replay sets its profile's)."""
+        s = self.pauses.settings
+        rates = (s.prefill_tokens_per_s, s.h2d_bytes_per_s, s.bytes_per_token)
+        if self._retention is None or self._retention[0] != rates:
+            model = RetentionModel(prefill_tokens_per_s=rates[0], h2d_bytes_per_s=rates[1], bytes_per_token=rates[2])
+            self._retention = (rates, model)
+            self._device_values = model.device_values(spills=self.spill.enabled)
+        return self._retention[1]
+
     def set_host_spill(self, enabled: bool) -> None:
         """Turn the node spill (``AGENTCACHE_HOST_SPILL``) on or off; entries already on host stay."""
         self.spill.enabled = enabled
+        self._device_values = self.retention.device_values(spills=enabled)
         self.tree_core.node_removed = self.spill.on_node_removed if enabled or self.spill.lru else None
 
     def set_eviction_key(self, key=None) -> None:
@@ -160,9 +184,9 @@ class AgentRadixCache(UnifiedRadixCache):
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
         state, anchors = node.agent, self.copies.anchors
         owner = state.owner
-        return eviction_rank(state, session_ref, base_priority, owner in self.pauses.kept,
-                             bool(anchors) and node in anchors,
-                             owner is not None and not state.terminated and self.over_quota(owner))
+        return device_rank(self._device_values, state, session_ref, base_priority, owner in self.pauses.kept,
+                           bool(anchors) and node in anchors,
+                           owner is not None and not state.terminated and self.over_quota(owner))
 
     def branch_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is
@@ -676,6 +700,7 @@ class AgentRadixCache(UnifiedRadixCache):
         super().reset()
         pauses = getattr(self, "pauses", None)  # SGLang's __init__ calls reset before ours runs
         if pauses is not None:
+            self.copy_ahead.reset()
             freed = pauses.reset() + self.spill.reset()
             if freed:
                 logger.info("agentcache: cache reset dropped %d host-tier tokens", freed)
@@ -691,6 +716,8 @@ class AgentRadixCache(UnifiedRadixCache):
         _STOCK_FLUSH(self)
         if self.tree_core.reclaim_due:
             self.reclaim_terminated()
+        if self.copy_ahead.enabled:
+            self.copy_ahead.plan()
         if self.metrics is not None:
             self.metrics.maybe_publish(self)
 
@@ -740,6 +767,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "context_edit_freed_tokens": self.context_edit_freed_tokens,
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),
+            "copy_ahead": self.copy_ahead.stats(),
             "transfer_votes": dict(self.transfer_votes),
             "ranking_deferred_restores": self.ranking_deferred,
         }

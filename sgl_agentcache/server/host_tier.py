@@ -271,6 +271,10 @@ class HostTier:
             raise ValueError(f"unknown transfer kind {kind!r}")
         self._fail_next[kind] = [count, unexpected]
 
+    def failure_armed(self, kind: str) -> bool:
+        """A test armed a failure of the next ``kind`` transfer (a copy made ahead must not dodge it)."""
+        return self._fail_next[kind][0] > 0
+
     def _maybe_fail(self, kind: str, wrapped: bool = True) -> None:
         armed = self._fail_next[kind]
         if armed[0] > 0 and armed[1] != wrapped:

@@ -44,6 +44,7 @@ import logging
 import os
 from array import array
 from collections import deque
+import dataclasses
 from dataclasses import dataclass, field
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -51,6 +52,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sgl_agentcache.lifecycle import BranchKey
 from sgl_agentcache.policy.distributions import LatencyDistribution
 from sgl_agentcache.policy.pause import Incumbent, PauseAction, PauseDecision, PauseInputs, Placement, PolicyConfig, decide
+from sgl_agentcache.policy.retention import displaced_host_seconds, prefetch_worthwhile
 from sgl_agentcache.server.host_copies import HostCopies
 from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 
@@ -216,6 +218,11 @@ class PauseBook:
                 previous = Incumbent(record.decision.action, record.decision.cost)
         allocator, s = self.cache.token_to_kv_pool_allocator, self.settings
         h2d, d2h, _ = self._bandwidths(measured)
+        # What host memory costs this pause: the value of the host entries an offload would displace.
+        retention = dataclasses.replace(self.cache.retention, h2d_bytes_per_s=h2d,
+                                        host_reuse=self.cache.spill.reuse_rate())
+        displaced = displaced_host_seconds(retention, tokens, self.host.free_tokens()) \
+            if placement is Placement.DEVICE else 0.0
         return PauseInputs(
             retained_tokens=tokens, bytes_per_token=s.bytes_per_token, latency=latency,
             device_free_tokens=allocator.available_size(), device_evictable_tokens=self.cache.evictable_size(),
@@ -225,7 +232,7 @@ class PauseBook:
             h2d_bandwidth_Bps=h2d, d2h_bandwidth_Bps=d2h,
             prefill_tokens_per_s=s.prefill_tokens_per_s, elapsed_s=elapsed_s, deadline_s=deadline_s,
             priority=priority, resume_probability=resume_probability, prefetch_lead_s=prefetch_lead_s,
-            placement=placement, previous=previous)
+            placement=placement, previous=previous, host_displaced_s=displaced)
 
     def pause(self, branch: BranchKey, latency: LatencyDistribution | None = None, *, tool_class: str = "default",
               force: PauseAction | None = None, write_through: bool = False, caps: dict | None = None,
@@ -493,11 +500,13 @@ class PauseBook:
         if need == 0:
             self.prefetch["refused_nothing"] += 1
             return {"prefetched": False, "reason": "nothing of this branch is on host"}
-        if self.cache.token_to_kv_pool_allocator.available_size() < need:
+        free = self.cache.token_to_kv_pool_allocator.available_size()
+        if not prefetch_worthwhile(self.cache.retention, need, free):
             # Speculation only fills free memory: it never evicts what someone may still hit.
             self.prefetch["refused_room"] += 1
             return {"prefetched": False, "reason": f"{need} tokens do not fit in free device memory "
-                                                     "(prefetch never evicts)"}
+                                                     "(prefetch never evicts)" if need > free else
+                    "a host copy saves nothing at this server's prefill and transfer rates"}
         budget = self._cap("prefetch_budget_tokens", caps)
         if pending + need > budget:
             self.prefetch["refused_budget"] += 1

@@ -20,7 +20,10 @@ dictionary lookups and token comparisons, never a scan of the tier.
 
 Capacity is the host tier's, shared with paused branches' copies (one byte budget per server,
 ``AGENTCACHE_HOST_TOKENS``). When a copy needs room, host *leaves* (entries nothing hangs from) are
-dropped least recently used first: dropping an inner entry would strand the entries below it. A
+dropped lowest retention value first (:mod:`~sgl_agentcache.policy.retention`: band TRIM, then VALUED,
+then PROTECTED; least recently spilled first within a band): dropping an inner entry would strand
+the entries below it. Nothing is spilled when a host copy would save nothing (reloading a token costs
+at least re-prefilling it, at the profile's rates). A
 branch's entries go when the branch closes (every tier), a namespace's when it is purged, all of
 them with the tree on a reset. Every decision depends on tree state and a step counter, never a
 clock, so every TP rank takes the same ones; a copy that fails falls back to plain eviction (spill)
@@ -42,6 +45,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_agentcache.lifecycle import BranchKey, NodeState
+from sgl_agentcache.policy.retention import Band, host_band, learned_rate
 from sgl_agentcache.server.host_tier import HostTier, nbytes_of
 
 logger = logging.getLogger(__name__)
@@ -90,7 +94,7 @@ class SpillTier:
         self._spilled: dict[Any, SpillEntry] = {}  # node being evicted -> its new entry (see on_node_removed)
         self._pinned: set[SpillEntry] = set()  # a chain being loaded back: never dropped for room
         self.counters = {"spills": 0, "spilled_tokens": 0, "spill_refused_full": 0, "spill_failed": 0,
-                         "spill_skipped_discard": 0, "spill_skipped_over_quota": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
+                         "spill_skipped_discard": 0, "spill_skipped_over_quota": 0, "spill_skipped_no_gain": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
                          "load_no_room": 0, "load_errors": 0,
                          "dropped_tokens": {"room": 0, "closed": 0, "orphaned": 0, "purged": 0}}
         host.spill = self
@@ -114,6 +118,9 @@ class SpillTier:
         state = node.agent
         if not self.enabled:
             return False
+        if not self.cache.retention.host_copies_pay():
+            self.counters["spill_skipped_no_gain"] += 1
+            return False
         if state.terminated:
             # An ended branch's node is kept only when live entries hang from it: it is then part of
             # their context (a subagent closed after creating the first tokens past its lead's history,
@@ -134,10 +141,15 @@ class SpillTier:
             self.counters["spill_refused_full"] += 1
             return False
         kv, failure = None, None
-        try:
-            kv = self.host.copy_out(node.component_data[FULL].value)
-        except Exception as exc:  # noqa: BLE001 - any failure: plain eviction
-            failure = exc
+        made = self.cache.copy_ahead.take(node)  # made by the worker before eviction needed it
+        if made is not None and not self.host.failure_armed("demote"):
+            kv = made[0]
+            self.host.demotes.add(n, nbytes_of(kv), made[1])
+        else:
+            try:
+                kv = self.host.copy_out(node.component_data[FULL].value)
+            except Exception as exc:  # noqa: BLE001 - any failure: plain eviction
+                failure = exc
         if not self.cache.agree(failure is None):  # failed here or on another rank: no rank keeps a copy
             self.counters["spill_failed"] += 1
             logger.info("agentcache: spill of %d tokens failed%s, evicting without a host copy: %s", n,
@@ -159,6 +171,7 @@ class SpillTier:
     def on_node_removed(self, node) -> None:
         """``node`` left the tree (tree-core hook). What hung from it hangs from its new entry if it was
         just spilled, and is dropped otherwise (nothing on either tier continues it any more)."""
+        self.cache.copy_ahead.forget(node)
         entry = self._spilled.pop(node, None)
         orphans = self.by_anchor.pop(node, None)
         if not orphans:
@@ -376,20 +389,30 @@ class SpillTier:
         return freed
 
     def make_room(self, n: int) -> bool:
-        """Free host room for ``n`` tokens by dropping host leaves, least recently used first (never a
-        chain being loaded back). False when even that leaves too little (paused branches' copies
-        hold the rest)."""
+        """Free host room for ``n`` tokens by dropping host leaves (never a chain being loaded back),
+        lowest :func:`~sgl_agentcache.policy.retention.host_band` first and least recently spilled
+        first within it. False when even that leaves too little (paused branches' copies hold the rest).
+
+        Two lazy scans of the spill order, each stopping at its first hit (no list per victim): the
+        first takes bands below PROTECTED, the second anything. That is band order because a TRIM
+        entry is put at the front of the order when it is spilled, and an entry's band is fixed at
+        its spill except for protection (:meth:`advise`)."""
         host = self.host
         if n > host.capacity_tokens:
             return False
         while host.free_tokens() < n:
-            # Unprotected leaves first (two lazy scans that stop at the first hit, not a list per victim).
-            victim = next((e for e in self.lru if not e.children and not e.protected and e not in self._pinned),
+            victim = next((e for e in self.lru if not e.children and e not in self._pinned
+                           and host_band(low_value=e.low_value, protected=e.protected) < Band.PROTECTED),
                           None) or next((e for e in self.lru if not e.children and e not in self._pinned), None)
             if victim is None:
                 return False
             self._drop_tree(victim, "room")
         return True
+
+    def reuse_rate(self) -> float:
+        """The learned share of host tokens used again (loaded back, against dropped for room): the
+        host reuse probability of the retention policy. Tree counters only, the same on every rank."""
+        return learned_rate(self.counters["loaded_tokens"], self.counters["dropped_tokens"]["room"])
 
     def advise(self, branch: BranchKey, action) -> None:
         """A paused ``branch``'s lazy decision (a PauseAction, or None when the pause ends): OFFLOAD

@@ -237,6 +237,10 @@ class _Run:
         longest = max((r.input_tokens + max(r.output_tokens, 1) for r in trace.requests), default=1)
         self.cache = build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_live, context_len=longest,
                                          stock=policy.stock, enable_session_radix_cache=policy.session_radix)
+        # Copies made ahead change when a copy runs, never what the tree does (server/copy_ahead.py), and
+        # the replay has no clock: its worker thread would only slow the replay down.
+        if not policy.stock:
+            self.cache.copy_ahead.enabled = False
         self.driver = OfflineDriver(self.cache)
         self.agent = not policy.stock
         self.ranking = None
