@@ -40,11 +40,11 @@ request for a batch; with no room then (running requests hold the pool) it stays
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from array import array
 from collections import deque
-import dataclasses
 from dataclasses import dataclass, field
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
