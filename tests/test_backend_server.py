@@ -56,6 +56,26 @@ def test_filling_the_pool_evicts_and_tree_stays_consistent(server, tokens):
     assert before["impl"] == after["impl"] == "AgentRadixCache"
 
 
+def test_a_spilled_prompt_comes_back_through_the_worker_thread(server, tokens):
+    """The load-back of spilled KV is copied off the scheduler thread (server/async_load.py): issued at
+    the request's admission match, the request skipped for that step, finished and admitted at the
+    next. What the request finds cached is what the synchronous load-back would have given it."""
+    prompts = [tokens.ids(900) for _ in range(6)]  # 5400 prompt tokens > 4096-token pool
+    for ids in prompts:
+        _gen(server, ids)
+    _, before = server.request("GET", "/agentcache/stats")
+    assert before["async_loads"]["enabled"], before["async_loads"]
+    out = _gen(server, prompts[0] + tokens.ids(8))
+    _, after = server.request("GET", "/agentcache/stats")
+    loads, was = after["async_loads"], before["async_loads"]
+    loaded = after["spill"]["loaded_tokens"] - before["spill"]["loaded_tokens"]
+    assert loads["issued"] == was["issued"] + 1 and loads["finished"] == was["finished"] + 1, loads
+    assert loads["in_flight"] == 0 and loads["abandoned"] == was["abandoned"], loads
+    assert loaded > 0 and out["meta_info"]["cached_tokens"] >= loaded
+    status, report = server.request("GET", "/agentcache/check")
+    assert status == 200 and report["ok"], report["errors"]
+
+
 def test_text_prompts_and_openai_route_share_the_cache(server):
     prompt = "system: you are an agent with tools. user: search the repository and run the tests. " * 3
     body = {"text": prompt, "sampling_params": GREEDY}

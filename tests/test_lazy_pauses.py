@@ -201,6 +201,29 @@ def test_a_deadline_releases_every_tier_and_a_prefetch_loads_back_into_free_memo
     h.assert_clean()
 
 
+def test_a_prefetch_that_would_save_nothing_is_refused_and_counted_as_such():
+    """Where re-prefilling is cheaper than reloading, a prefetch is refused as "no gain", not as "no
+    room": the room is there (and nothing moves)."""
+    h = Lazy(pool=1024, host=4096)
+    h.turn(ids(6, 300), "soon")
+    h.pause("soon", LONG, tool_class="ci_run")
+    for k in range(2):
+        h.turn(ids(300 + k, 500), f"other{k}")  # the paused branch spills
+    spill, pauses = h.cache.spill, h.cache.pauses
+    soon_key = BranchKey(NS, "soon", "main")
+    on_host = spill.owner_tokens.get(soon_key, 0)
+    assert on_host > 0
+    with h.driver.activated():
+        h.cache.evict(EvictParams(num_tokens=1024))  # free room: that is not what stops it
+        pauses.settings.prefill_tokens_per_s = 1e12  # re-prefill beats any reload
+        pauses.settings.prefetch_budget_tokens = 1024
+        got = pauses.prefetch_branch(soon_key)
+    assert got["prefetched"] is False and "saves nothing" in got["reason"], got
+    assert pauses.prefetch["refused_no_gain"] == 1 and pauses.prefetch["refused_room"] == 0
+    assert spill.owner_tokens.get(soon_key, 0) == on_host and pauses.prefetch["issued"] == 0
+    h.assert_clean()
+
+
 def test_decisions_follow_the_tools_distribution():
     """The decision is still priced per pause (a mix, not one answer): a fast tool's branch is kept,
     a long-tailed one's is advised to host."""

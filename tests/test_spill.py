@@ -14,6 +14,7 @@ import torch
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, NodeClass, namespace_key
+from sgl_agentcache.server.async_load import ASYNC_LOAD_ENV
 from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
 from sgl_agentcache.server.pauses import PauseAction
 from sgl_agentcache.server.spill import FULL
@@ -241,10 +242,12 @@ def _raise_once(target, name: str, *, after: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("where", ["copy", "insert", "insert-after", "load_back"])
-def test_any_failure_of_a_load_back_in_the_match_falls_back_to_recompute(where):
+def test_any_failure_of_a_load_back_in_the_match_falls_back_to_recompute(where, monkeypatch):
     """Issue #22 item 10: a load-back runs inside the scheduler's match; a bare error from the copy, a
     failing re-insert or anything else reached the scheduler. The request recomputes now, the chain
-    leaves the host tier, no slot leaks or is freed twice."""
+    leaves the host tier, no slot leaks or is freed twice. The synchronous load-back (asynchronous
+    loads off; tests/test_async_load.py covers their failures)."""
+    monkeypatch.setenv(ASYNC_LOAD_ENV, "0")
     driver = spill_driver(pool=300, host=2000)
     cache = driver.cache
     run(driver, "a", ids(10, 200), out=(5, 6))

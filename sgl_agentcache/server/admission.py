@@ -16,6 +16,10 @@ An AROUND hook on ``SchedulePolicy.calc_priority`` marks the matches it makes as
 host copies must come back only at the match that admits it (``Req.init_next_round_input`` in
 ``Scheduler.get_new_batch_prefill``, right before ``PrefillAdder.add_one_req``), not once per step
 for every request that keeps waiting.
+
+An AROUND hook on ``PrefillAdder.add_one_req`` skips, for one step, a request whose spilled KV is
+being loaded back by a worker thread (``server/async_load.py``): it returns ``CONTINUE`` without
+adding it, so the scheduler goes on with the rest of the queue and matches it again next step.
 """
 
 from __future__ import annotations
@@ -49,6 +53,22 @@ def _around_calc_priority(original, policy, *args, **kwargs):
         return original(policy, *args, **kwargs)
 
 
+def _around_add_one_req(original, adder, req, *args, **kwargs):
+    loads = getattr(getattr(adder, "tree_cache", None), "loads", None)
+    if loads is not None and loads.pending(req.rid):  # its load was issued by this step's match
+        if adder.rem_total_tokens >= 0 and adder.cur_rem_tokens >= 0:
+            # Its load-back is being copied (server/async_load.py): skipped this step, admitted at the
+            # next (where the load is finished), while the rest of the queue goes on.
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.CONTINUE
+        # The load's slots came out of memory the requests already in this batch were admitted
+        # against (their budget is free + evictable memory at admission): give them back, and the
+        # request is added (or not) as it is, recomputing what it lacks, as a load-back without room does.
+        loads.cancel(req.rid, "no_room")
+    return original(adder, req, *args, **kwargs)
+
+
 def install() -> None:
     """Register the scheduler hooks (every process; they only resolve inside schedulers' use)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -57,6 +77,8 @@ def install() -> None:
                           _around_create_generation_req, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
                           _around_calc_priority, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+                          _around_add_one_req, HookType.AROUND)
 
 
 def parent_refusal(parent: BranchKey, seen, closed) -> str | None:

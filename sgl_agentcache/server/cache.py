@@ -48,6 +48,7 @@ from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, Node
 from sgl_agentcache.policy.retention import RetentionModel, device_rank
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.agreement import default_agreement
+from sgl_agentcache.server.async_load import AsyncLoads, async_load_wanted
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_TOKENS_ENV, CopyAhead, copy_ahead_wanted
 from sgl_agentcache.server.host_tier import HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
@@ -135,6 +136,8 @@ class AgentRadixCache(UnifiedRadixCache):
         allocator = self.token_to_kv_pool_allocator
         self.copy_ahead = CopyAhead(self, int(os.environ.get(COPY_AHEAD_TOKENS_ENV, 0)) or max(pool // 16, 1),
                                     enabled=copy_ahead_wanted(getattr(allocator, "device", None)))
+        # Load-backs for requests being admitted, copied by a worker thread (server/async_load.py).
+        self.loads = AsyncLoads(self, enabled=async_load_wanted(getattr(allocator, "device", None)))
         self._retention: tuple | None = None  # (rates, model): see the retention property
         self._device_values: dict = {}  # the model's device value per class, looked up per candidate leaf
         self.set_host_spill(os.environ.get(HOST_SPILL_ENV, "1") == "1")
@@ -303,11 +306,22 @@ class AgentRadixCache(UnifiedRadixCache):
                 logger.exception("agentcache: restoring host copies for %s failed; recomputing", req.rid)
                 req.agentcache_restores = None
                 self.pauses.abandon_restores(*restores)
+        loads = self.loads
+        if loads.pending(req.rid):  # issued at its previous admission match: insert it, then match
+            try:
+                loads.finish(req.rid)
+            except Exception:  # noqa: BLE001 - as below: the request recomputes
+                logger.exception("agentcache: finishing the load-back for %s failed; recomputing", req.rid)
+                self.spill.counters["load_errors"] += 1
+            return super().match_prefix(params)
         result = super().match_prefix(params)
         spill = self.spill
         if spill.lru and result.device_prefix_len < len(params.key):
             try:
                 last = self.tree_core.node_by_id(result.last_device_node)
+                if loads.enabled:  # the copy runs on the worker; the scheduler skips the request this step
+                    loads.issue(req.rid, params.key, last, result.device_prefix_len)
+                    return result
                 loaded = spill.load_back(params.key, last, result.device_prefix_len)
             except Exception:  # noqa: BLE001 - as above: the request recomputes
                 logger.exception("agentcache: loading spilled nodes back for %s failed; recomputing", req.rid)
@@ -316,6 +330,13 @@ class AgentRadixCache(UnifiedRadixCache):
             if loaded:
                 result = super().match_prefix(params)
         return result
+
+    def release_aborted_request(self, request) -> None:
+        """A request left before it was admitted (``Scheduler._release_aborted_request``, via
+        ``finish(handle, ABORT)``; ``request`` is its ``CacheRequestHandle``): its load-back in flight,
+        if any, goes."""
+        super().release_aborted_request(request)
+        self.loads.cancel(request.rid)
 
     @contextmanager
     def ranking_matches(self):
@@ -675,6 +696,8 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         _STOCK_ON_RELEASE(self, req, checkpointed=checkpointed)
+        if self.loads.pending(req.rid):  # admitted without its next match (a driver without the skip)
+            self.loads.cancel(req.rid, "unfinished")
         restores = getattr(req, "agentcache_restores", None)
         if restores is not None and restores[1] is not None:  # it ran (or left) without its own copy
             req.agentcache_restores = None
@@ -697,8 +720,11 @@ class AgentRadixCache(UnifiedRadixCache):
         """SGLang's full reset (``Scheduler.flush_cache``: ``/flush_cache``, weight updates) empties the
         tree; pause state and host copies hang from its nodes, so they go too. What a branch *is* stays:
         a closed branch is still closed after a flush, and quotas still apply."""
+        loads = getattr(self, "loads", None)  # SGLang's __init__ calls reset before ours runs
+        if loads is not None:
+            loads.reset()  # first: their locks and slots refer to the tree about to go
         super().reset()
-        pauses = getattr(self, "pauses", None)  # SGLang's __init__ calls reset before ours runs
+        pauses = getattr(self, "pauses", None)
         if pauses is not None:
             self.copy_ahead.reset()
             freed = pauses.reset() + self.spill.reset()
@@ -768,6 +794,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "pauses": self.pauses.stats(),
             "spill": self.spill.stats(),
             "copy_ahead": self.copy_ahead.stats(),
+            "async_loads": self.loads.stats(),
             "transfer_votes": dict(self.transfer_votes),
             "ranking_deferred_restores": self.ranking_deferred,
         }

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+from sgl_agentcache.server.transfer_worker import TransferWorker, wanted
 
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
@@ -43,12 +44,7 @@ _CANDIDATES = 64  # leaves ranked per planning step (the budget usually stops we
 
 def copy_ahead_wanted(kv_device: torch.device | str | None) -> bool:
     """Whether copy-ahead runs for a pool on ``kv_device`` (see ``AGENTCACHE_COPY_AHEAD``)."""
-    mode = os.environ.get(COPY_AHEAD_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{COPY_AHEAD_ENV} must be auto, 0 or 1, not {mode!r}")
-    if mode != "auto":
-        return mode == "1"
-    return torch.device(kv_device or "cpu").type == "cpu"
+    return wanted(COPY_AHEAD_ENV, kv_device)
 
 
 @dataclass
@@ -68,8 +64,7 @@ class CopyAhead:
         self.enabled = enabled and self.budget_tokens > 0
         self.pending: dict = {}  # node -> _Ahead
         self.pending_tokens = 0
-        self._worker: ThreadPoolExecutor | None = None
-        self._stream = None
+        self._worker: TransferWorker | None = None
         self.counters = {"issued": 0, "issued_tokens": 0, "used": 0, "used_tokens": 0, "joined_running": 0,
                          "stale": 0, "dropped": 0, "failed": 0, "worker_copy_s": 0.0}
 
@@ -109,7 +104,7 @@ class CopyAhead:
     def _issue(self, node) -> None:
         value = node.component_data[FULL].value
         n = len(value)
-        self.pending[node] = _Ahead(value, n, self._executor().submit(self._copy, value))
+        self.pending[node] = _Ahead(value, n, self._worker_for().submit(self._copy, value))
         self.pending_tokens += n
         self.counters["issued"] += 1
         self.counters["issued_tokens"] += n
@@ -117,22 +112,13 @@ class CopyAhead:
     def _copy(self, slots: torch.Tensor):  # slots: a cached node's, never written while it is in the tree
         """On the worker thread: the allocator's own copy (the bytes a spill would have made)."""
         began = time.perf_counter()
-        allocator = self.cache.token_to_kv_pool_allocator
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                kv = allocator.get_cpu_copy(slots)
-        else:
-            kv = allocator.get_cpu_copy(slots)
+        kv = self.cache.token_to_kv_pool_allocator.get_cpu_copy(slots)
         return kv, time.perf_counter() - began
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _worker_for(self) -> TransferWorker:
         if self._worker is None:
             device = getattr(self.cache.token_to_kv_pool_allocator, "device", "cpu")
-            if torch.device(device).type == "cuda":
-                self._stream = torch.cuda.Stream(device=device)
-            self._worker = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="agentcache-copy-ahead",
-                initializer=(lambda: torch.cuda.set_device(device)) if self._stream is not None else None)
+            self._worker = TransferWorker(device, "agentcache-copy-ahead")
         return self._worker
 
     # ---- the eviction path ----

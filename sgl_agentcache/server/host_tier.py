@@ -201,17 +201,25 @@ class HostTier:
         self.used_bytes -= nbytes
 
     def copy_in(self, kv, device_indices) -> None:
-        """One host->device copy of ``kv`` (a :meth:`copy_out`) into ``device_indices``; raises
-        :class:`TransferError` when it fails."""
-        self._maybe_fail("promote", wrapped=False)
+        """One host->device copy of ``kv`` (a :meth:`copy_out`) into ``device_indices``, counted in
+        :attr:`promotes`; raises :class:`TransferError` when it fails."""
         began = time.perf_counter()
+        try:
+            self.load_in(kv, device_indices)
+        except TransferError:
+            self.promotes.failures += 1
+            raise
+        self.promotes.add(len(device_indices), nbytes_of(kv), time.perf_counter() - began)
+
+    def load_in(self, kv, device_indices) -> None:
+        """:meth:`copy_in` without the counting, for a worker thread (its caller counts on the
+        scheduler thread); raises :class:`TransferError` when it fails."""
+        self._maybe_fail("promote", wrapped=False)
         try:
             self._maybe_fail("promote")
             self.allocator.load_cpu_copy(kv, device_indices)
         except Exception as exc:  # noqa: BLE001
-            self.promotes.failures += 1
             raise TransferError(f"host->device copy of {len(device_indices)} tokens failed: {exc}") from exc
-        self.promotes.add(len(device_indices), nbytes_of(kv), time.perf_counter() - began)
 
     def prepend(self, entry: HostEntry, state: NodeState, kv, n: int) -> None:
         """Make ``kv`` (a :meth:`copy_out` of the ``n`` tokens just in front of ``entry``, ``[start - n,

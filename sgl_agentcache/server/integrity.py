@@ -95,10 +95,14 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
     available = allocator.available_size() if allocator is not None else 0
     pool = allocator.size if allocator is not None else 0
     if idle and allocator is not None:
+        in_flight = cache.loads.in_flight_tokens() if agent_state else 0
+        if in_flight:
+            errors.append(f"idle but {in_flight} tokens of load-backs are still in flight")
         if protected:
             errors.append(f"idle but {protected} tokens are still locked")
-        if available + evictable != pool:
-            errors.append(f"idle conservation: free {available} + tree {evictable} != pool {pool}")
+        if available + evictable + in_flight != pool:
+            errors.append(f"idle conservation: free {available} + tree {evictable} + loads in flight "
+                          f"{in_flight} != pool {pool}")
 
     return IntegrityReport(
         ok=not errors, errors=errors, nodes=len(nodes), device_tokens=evictable + protected,

@@ -135,7 +135,7 @@ class SchedulerMetrics:
         bpt = pauses.settings.bytes_per_token
         self._inc(self.moved, ("device_to_host",), host.demotes.tokens * bpt)
         self._inc(self.moved, ("host_to_device",), host.promotes.tokens * bpt)
-        for outcome in ("issued", "used", "wasted", "refused_budget", "refused_room", "refused_queue",
+        for outcome in ("issued", "used", "wasted", "refused_budget", "refused_room", "refused_no_gain", "refused_queue",
                         "refused_disabled"):
             self._inc(self.prefetch, (outcome,), pauses.prefetch[outcome])
         self._inc(self.deadline, (), pauses.counters["deadline_releases"])

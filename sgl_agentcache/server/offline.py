@@ -419,6 +419,12 @@ class OfflineDriver:
             cache = self.cache
             # Scheduler.get_new_batch_prefill: match the prefix (match_kv_cache) ...
             req.init_next_round_input(cache)
+            loads = getattr(cache, "loads", None)  # the stock cache has none
+            if loads is not None and loads.pending(req.rid):
+                # ... a load-back went to the worker: the scheduler skips the request this step
+                # (PrefillAdder.add_one_req, the plugin's hook) and matches it again at the next.
+                cache.flush_pending_backups()
+                req.init_next_round_input(cache)
             # ... PrefillAdder: pick the extend and pin the match (_commit_prefill_admission).
             req.extend_end = self._chunk_end(req, max_prefill_tokens)
             req.lock = cache.lock(req.last_node)

@@ -168,7 +168,8 @@ class PauseBook:
                          "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0, "error": 0},
                          "deadline_releases": 0, "released_tokens": 0}
         self.prefetch = {"issued": 0, "used": 0, "wasted": 0, "tokens_prefetched": 0, "tokens_used": 0,
-                         "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0, "refused_room": 0, "refused_queue": 0,
+                         "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0, "refused_room": 0, "refused_no_gain": 0,
+                         "refused_queue": 0,
                          "saved_transfer_s": 0.0}
         self._outcomes: dict[str, deque] = {}  # namespace -> recent prefetch outcomes (True = used)
         self._refused_since_probe: dict[str, int] = {}
@@ -503,9 +504,10 @@ class PauseBook:
         free = self.cache.token_to_kv_pool_allocator.available_size()
         if not prefetch_worthwhile(self.cache.retention, need, free):
             # Speculation only fills free memory: it never evicts what someone may still hit.
-            self.prefetch["refused_room"] += 1
+            room = need > free
+            self.prefetch["refused_room" if room else "refused_no_gain"] += 1
             return {"prefetched": False, "reason": f"{need} tokens do not fit in free device memory "
-                                                     "(prefetch never evicts)" if need > free else
+                                                     "(prefetch never evicts)" if room else
                     "a host copy saves nothing at this server's prefill and transfer rates"}
         budget = self._cap("prefetch_budget_tokens", caps)
         if pending + need > budget:

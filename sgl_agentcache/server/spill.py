@@ -34,13 +34,14 @@ No failure of a load-back, expected or not, reaches the scheduler.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
@@ -76,6 +77,21 @@ class SpillEntry:
         return len(self.tokens)
 
 
+@dataclass(eq=False)
+class PreparedLoad:
+    """A load-back between its halves (:meth:`SpillTier.prepare_load`, :meth:`SpillTier.finish_load`)."""
+
+    key: RadixKey
+    chain: list  # the entries, top-down
+    start: int  # the key offset where the first entry's tokens begin
+    anchor: Any  # the device node the first entry hangs from
+    last_node: Any  # the device match's last node when prepared
+    device_prefix_len: int
+    new: torch.Tensor = field(repr=False)  # the chain's device slots
+    lock: Any = None  # held asynchronous loads: the match's lock
+    seconds: float = 0.0  # the copy's duration
+
+
 class SpillTier:
     """Spilled nodes of one cache (see the module docstring). Owned by the scheduler thread."""
 
@@ -93,6 +109,7 @@ class SpillTier:
         self.tokens = 0
         self._spilled: dict[Any, SpillEntry] = {}  # node being evicted -> its new entry (see on_node_removed)
         self._pinned: set[SpillEntry] = set()  # a chain being loaded back: never dropped for room
+        self.loading: set[SpillEntry] = set()  # chains asynchronous loads hold (server/async_load.py)
         self.counters = {"spills": 0, "spilled_tokens": 0, "spill_refused_full": 0, "spill_failed": 0,
                          "spill_skipped_discard": 0, "spill_skipped_over_quota": 0, "spill_skipped_no_gain": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
                          "load_no_room": 0, "load_errors": 0,
@@ -198,17 +215,36 @@ class SpillTier:
         """Copy back the longest chain of entries continuing ``key`` past ``device_prefix_len`` (the
         device match ending at ``last_device_node``) and insert it into the tree. Returns the tokens
         that became device-resident past the old match (0: nothing found, no room, or a failed copy).
-        Without ``evict`` (speculation) it only uses free device memory."""
-        if not self.lru or device_prefix_len >= len(key):
+        Without ``evict`` (speculation) it only uses free device memory. The copy runs here, on the
+        caller's thread; ``server/async_load.py`` runs the same three steps across two scheduler steps."""
+        load = self.prepare_load(key, last_device_node, device_prefix_len, evict=evict)
+        if load is None:
             return 0
+        failure = None
+        try:
+            load.seconds = self.copy_chain(load)
+        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
+            failure = exc
+        return self.finish_load(load, failure)
+
+    def prepare_load(self, key: RadixKey, last_device_node, device_prefix_len: int, *, evict: bool = True,
+                     hold: bool = False) -> "PreparedLoad | None":
+        """Find the chain to load and allocate its device slots (the scheduler thread's half of a
+        load-back). ``hold`` (an asynchronous load): the match stays locked and the chain pinned until
+        :meth:`release_load`, since the copy and :meth:`finish_load` come a scheduler step later."""
+        if not self.lru or device_prefix_len >= len(key):
+            return None
         chain, start, anchor = self._find_chain(key, last_device_node, device_prefix_len)
         if not chain:
-            return 0
+            return None
         cache = self.cache
         allocator = cache.token_to_kv_pool_allocator
         n = sum(len(e) for e in chain)
         self._pinned.update(chain)
-        lock = cache.lock(anchor.id)  # the prefix the chain continues must survive the eviction below
+        # The prefix the chain continues must survive the eviction below (and, held, until the finish:
+        # the whole match then, so the finish finds the tree as it is now).
+        lock = cache.lock(last_device_node.id if hold else anchor.id)
+        new = None
         try:
             short = n - allocator.available_size()
             # Evict only if that makes room: an eviction that still leaves too little frees KV other
@@ -217,33 +253,75 @@ class SpillTier:
                 cache.evict(EvictParams(num_tokens=short))
             new = allocator.alloc(n) if allocator.available_size() >= n else None
         finally:
-            cache.unlock(lock)
-            self._pinned.difference_update(chain)
+            if new is None or not hold:
+                cache.unlock(lock)
+                self._pinned.difference_update(chain)
         if new is None:
             self.counters["load_no_room"] += 1
-            return 0
+            return None
         if any(e not in self.lru for e in chain) or anchor.component_data[FULL].value is None:
             allocator.free(new)  # the eviction above dropped part of the chain (cannot happen: pinned)
+            if hold:
+                cache.unlock(lock)
+                self._pinned.difference_update(chain)
             self.counters["load_failed"] += 1
-            return 0
-        failure = None
-        try:
-            offset = 0
-            for entry in chain:
-                self.host.copy_in(entry.kv, new[offset: offset + len(entry)])
-                offset += len(entry)
-        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
-            failure = exc
+            return None
+        return PreparedLoad(key, chain, start, anchor, last_device_node, device_prefix_len, new,
+                            lock if hold else None)
+
+    def copy_chain(self, load: "PreparedLoad") -> float:
+        """Copy the chain's host KV into its slots; returns the seconds it took. Touches nothing but
+        the entries' host tensors and the slots' KV, so it may run on a worker thread: the entries are
+        pinned (never dropped for room) and the slots belong to nobody else until :meth:`finish_load`."""
+        began, offset = time.perf_counter(), 0
+        for entry in load.chain:
+            self.host.load_in(entry.kv, load.new[offset: offset + len(entry)])
+            offset += len(entry)
+        return time.perf_counter() - began
+
+    def release_load(self, load: "PreparedLoad") -> None:
+        """Undo :meth:`prepare_load`'s hold (an asynchronous load's lock and pins)."""
+        if load.lock is not None:
+            self.cache.unlock(load.lock)
+            load.lock = None
+        self._pinned.difference_update(load.chain)
+
+    def still_current(self, load: "PreparedLoad") -> bool:
+        """Whether the tree and the tier are still as ``load`` found them: the same device match, and
+        the same chain hanging from the same node (a close, a purge or another request's insert on the
+        path changes them between an asynchronous load's two steps)."""
+        if any(e not in self.lru for e in load.chain):
+            return False
+        core = self.cache.tree_core
+        match = self.cache.match_prefix(MatchPrefixParams(key=load.key))
+        if match.device_prefix_len != load.device_prefix_len or match.last_device_node != load.last_node.id:
+            return False
+        chain, start, anchor = self._find_chain(load.key, core.node_by_id(match.last_device_node),
+                                                load.device_prefix_len, loading=())
+        return chain == load.chain and start == load.start and anchor is load.anchor
+
+    def finish_load(self, load: "PreparedLoad", failure: BaseException | None) -> int:
+        """Insert a copied chain (the scheduler thread's second half), or free its slots when the copy
+        failed here or on another rank (every rank then recomputes). Returns the tokens that became
+        device-resident past the old match."""
+        cache, allocator, chain, new = self.cache, self.cache.token_to_kv_pool_allocator, load.chain, load.new
+        n = len(new)
+        if failure is None:
+            self.host.promotes.add(n, sum(e.nbytes for e in chain), load.seconds)
+        else:
+            self.host.promotes.failures += 1
         if not self.cache.agree(failure is None):  # failed here or on another rank: every rank recomputes
             allocator.free(new)
             self.counters["load_failed"] += 1
             logger.info("agentcache: load-back of %d tokens failed%s, recomputing: %s", n,
                         "" if failure is not None else " on another rank", failure)
             for entry in chain:  # a failed copy may have left the entry unreadable: drop it
-                self._drop_tree(entry, "orphaned")
+                if entry in self.lru:
+                    self._drop_tree(entry, "orphaned")
             return 0
+        key, start = load.key, load.start
         try:
-            self._insert_chain(key, chain, start, anchor, new)
+            self._insert_chain(key, chain, start, load.anchor, new)
         except Exception:  # noqa: BLE001 - the chain is lost, the request recomputes, no slot leaks
             logger.exception("agentcache: re-inserting %d loaded-back tokens failed; recomputing", n)
             path = array("q", key.token_ids[:start])
@@ -257,14 +335,18 @@ class SpillTier:
             self.counters["load_errors"] += 1
             return 0
         self.counters["loads"] += 1
-        loaded = max(start + n - device_prefix_len, 0)
+        loaded = max(start + n - load.device_prefix_len, 0)
         self.counters["loaded_tokens"] += loaded
         return loaded
 
-    def _find_chain(self, key: RadixKey, last_device_node, device_prefix_len: int):
+    def _find_chain(self, key: RadixKey, last_device_node, device_prefix_len: int, loading=None):
         """The entries to load: the first hangs from a device node on the matched path and reaches past
         the match; each next one is a child of the previous that continues the key, as long as the
-        previous matched the key entirely. Returns (chain, offset of the first, its anchor)."""
+        previous matched the key entirely. Returns (chain, offset of the first, its anchor).
+
+        An entry an asynchronous load holds (``loading``, by default :attr:`loading`) is not found
+        again: its slots are already being filled for another request, which inserts it a step later."""
+        loading = self.loading if loading is None else loading
         core = self.cache.tree_core
         node = last_device_node
         end = core.depth(node) + len(node.key) if node is not core.root_node else 0  # where its tokens end
@@ -272,9 +354,14 @@ class SpillTier:
             for entry in self.by_anchor.get(node, ()):
                 if entry.extra_key != key.extra_key or entry.cache_salt != key.cache_salt:
                     continue
+                if entry in loading:
+                    continue
                 m = _common(entry.tokens, key, end)
                 if end + m > device_prefix_len and m > 0:
-                    return self._extend_chain(entry, m, key, end + len(entry)), end, node
+                    chain = self._extend_chain(entry, m, key, end + len(entry))
+                    if loading:
+                        chain = chain[:next((i for i, e in enumerate(chain) if e in loading), len(chain))]
+                    return chain, end, node
             if node is core.root_node:
                 break
             end -= len(node.key)
@@ -479,4 +566,4 @@ def _common(entry_tokens: array, key: RadixKey, offset: int) -> int:
     return i
 
 
-__all__ = ["HOST_SPILL_ENV", "SpillEntry", "SpillTier"]
+__all__ = ["HOST_SPILL_ENV", "PreparedLoad", "SpillEntry", "SpillTier"]

@@ -1,0 +1,61 @@
+"""One worker thread for KV copies off the scheduler thread (copy-ahead spills, asynchronous load-backs).
+
+On a CPU pool the worker simply runs the copy. On a CUDA pool it runs it on a stream of its own (its
+device set on the thread) and waits for that stream before the future completes, so whoever joins the
+future may use the copied bytes on any stream. The scheduler thread never shares a tensor the worker
+is writing: callers hand it slots nobody else reads until they join.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+def wanted(env: str, kv_device) -> bool:
+    """An ``auto`` / ``1`` / ``0`` switch for a worker-thread feature: ``auto`` (the default) is on for
+    CPU pools and off for CUDA ones, whose path (a side stream) has not run on a GPU yet."""
+    mode = os.environ.get(env, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{env} must be auto, 0 or 1, not {mode!r}")
+    if mode != "auto":
+        return mode == "1"
+    return torch.device(kv_device or "cpu").type == "cpu"
+
+
+class TransferWorker:
+    """A lazily started single-thread executor, with a side stream on CUDA (see the module docstring)."""
+
+    def __init__(self, device, name: str):
+        self.device = torch.device(device or "cpu")
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream = None
+
+    def submit(self, fn, *args) -> Future:
+        """Run ``fn(*args)`` on the worker; on CUDA inside the worker's stream, synchronized at the end."""
+        return self._start().submit(self._run, fn, args)
+
+    def _run(self, fn, args):
+        if self._stream is None:
+            return fn(*args)
+        with torch.cuda.stream(self._stream):
+            result = fn(*args)
+        self._stream.synchronize()
+        return result
+
+    def _start(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            initializer = None
+            if self.device.type == "cuda":
+                self._stream = torch.cuda.Stream(device=self.device)
+                device = self.device
+                initializer = lambda: torch.cuda.set_device(device)  # noqa: E731
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name,
+                                                initializer=initializer)
+        return self._executor
+
+
+__all__ = ["TransferWorker", "wanted"]

@@ -1,0 +1,243 @@
+"""Load-backs copied by a worker thread between two admission matches (server/async_load.py).
+
+On the real cache offline (SGLang's CPU pools, the real allocator's ``load_cpu_copy``): a request whose
+device match is continued by spilled entries gets its load issued at one admission match and finished
+at the next; the scheduler's hook skips it in between. The result (what is cached, the bytes on
+device, the host tier) is exactly that of the synchronous load-back; an abort, a reset, a failed copy
+or a tree that changed between the steps each leave nothing behind. The allocator is wrapped only to
+record which thread copied (the real copy still runs). Token ids < 512.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from array import array
+
+import pytest
+import torch
+from sglang.srt.managers.schedule_policy import AddReqResult
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sgl_agentcache.hints import lifecycle_envelope
+from sgl_agentcache.server.admission import _around_add_one_req
+from sgl_agentcache.server.async_load import ASYNC_LOAD_ENV, async_load_wanted
+from sgl_agentcache.server.copy_ahead import COPY_AHEAD_ENV
+from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+PROMPTS = [ids(20 + k, 300) for k in range(5)]  # 1500 tokens through a 1024-token pool
+
+
+class Run:
+    """A cache with the node spill on; every turn stamps its prompt's KV with known values."""
+
+    def __init__(self, monkeypatch, asynchronous: bool):
+        monkeypatch.setenv(ASYNC_LOAD_ENV, "1" if asynchronous else "0")
+        monkeypatch.setenv(COPY_AHEAD_ENV, "0")  # spills copy on this thread: only loads vary
+        self.cache = build_offline_cache(pool_tokens=1024)
+        self.cache.set_host_spill(True)
+        self.cache.pauses.host.capacity_tokens = 4096
+        self.driver = OfflineDriver(self.cache)
+        self.kv = self.cache.token_to_kv_pool_allocator.get_kvcache()
+        self.loaded_on: list[int] = []  # thread ident of every load_cpu_copy
+        allocator = self.cache.token_to_kv_pool_allocator
+        real = allocator.load_cpu_copy
+
+        def recording(*args, **kwargs):
+            self.loaded_on.append(threading.get_ident())
+            return real(*args, **kwargs)
+
+        allocator.load_cpu_copy = recording
+        self.n = 0
+
+    def hint(self, session: str):
+        self.n += 1
+        return lifecycle_envelope({"session": session}, message_id=f"m{self.n}")
+
+    def turn(self, prompt, session: str, stamp: int) -> int:
+        req = self.driver.admit(f"r{self.n}", prompt, kv_hints=self.hint(session))
+        cached = req.cached_tokens
+        idx = self.driver.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(prompt)]
+        for buf in self.kv.k_buffer + self.kv.v_buffer:
+            buf[idx[cached:]] = (torch.arange(cached, len(prompt), dtype=buf.dtype) + stamp).view(-1, 1, 1)
+        self.driver.extend(req, [7])
+        self.driver.finish(req)
+        return cached
+
+    def fill(self) -> None:
+        """Five sessions through the pool: s0's prompt is spilled to host."""
+        for k, prompt in enumerate(PROMPTS):
+            self.turn(prompt, f"s{k}", stamp=1000 * k)
+        assert self.resident(PROMPTS[0]) < 300 and self.cache.spill.tokens > 0
+
+    def queued_return(self):
+        """s0 comes back: queued, then matched once (the admission match that issues its load)."""
+        req = self.driver.queue(f"back{self.n}", PROMPTS[0] + ids(99, 20), kv_hints=self.hint("s0"))
+        with self.driver.activated():
+            req.init_next_round_input(self.cache)
+        return req
+
+    def resident(self, prompt) -> int:
+        with self.driver.activated():
+            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+        return match.device_prefix_len
+
+    def kv_of(self, prompt):
+        with self.driver.activated():
+            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+            slots = self.cache.path_device_indices(match.last_device_node)[: match.device_prefix_len]
+        return [buf[slots].flatten().clone() for buf in self.kv.k_buffer + self.kv.v_buffer]
+
+    def assert_clean(self) -> None:
+        report = self.driver.check()
+        assert report.ok, report.errors
+        assert self.driver.idle_free_tokens() == self.driver.pool_tokens
+        assert not self.cache.loads.by_rid and not self.cache.spill.loading and not self.cache.spill._pinned
+
+
+def test_a_load_back_runs_on_the_worker_and_changes_nothing_else(monkeypatch):
+    sync, ahead = Run(monkeypatch, asynchronous=False), Run(monkeypatch, asynchronous=True)
+    assert not sync.cache.loads.enabled and ahead.cache.loads.enabled
+    for run in (sync, ahead):
+        run.fill()
+    back = [run.turn(PROMPTS[0] + ids(99, 20), "s0", stamp=0) for run in (sync, ahead)]
+    assert back[0] == back[1] >= 290  # s0 came back from host, as much of it either way
+    stats = ahead.cache.loads.stats()
+    assert stats["issued"] == stats["finished"] >= 1 and stats["loaded_tokens"] >= 200, stats
+    assert not any(stats["abandoned"].values()), stats
+    main = threading.get_ident()
+    assert ahead.loaded_on and all(t != main for t in ahead.loaded_on), "the load ran on the scheduler thread"
+    assert sync.loaded_on and all(t == main for t in sync.loaded_on)
+    assert sync.cache.spill.counters["loaded_tokens"] == ahead.cache.spill.counters["loaded_tokens"]
+    assert ahead.cache.pauses.host.promotes.tokens == sync.cache.pauses.host.promotes.tokens > 0
+    want = torch.arange(300, dtype=torch.float32)  # stamp 0: s0's own bytes, copied back exactly
+    assert all(torch.equal(t.float(), want.repeat_interleave(t.numel() // 300)) for t in ahead.kv_of(PROMPTS[0]))
+    for prompt in PROMPTS:
+        assert all(torch.equal(a, b) for a, b in zip(ahead.kv_of(prompt), sync.kv_of(prompt)))
+    ahead.assert_clean()
+    sync.assert_clean()
+
+
+def test_the_scheduler_skips_the_request_until_its_next_match(monkeypatch):
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    req = run.queued_return()
+    assert run.cache.loads.pending(req.rid) and req.prefix_len < 300  # issued; not loaded yet
+    # The plugin's hook on PrefillAdder.add_one_req: the request is passed over, nothing is added.
+    adder = type("Adder", (), {"tree_cache": run.cache, "rem_total_tokens": 10, "cur_rem_tokens": 10})()
+    added = []
+    assert _around_add_one_req(lambda *a, **k: added.append(a), adder, req, False, None) is AddReqResult.CONTINUE
+    assert not added
+    other = type("Req", (), {"rid": "someone-else"})()
+    _around_add_one_req(lambda *a, **k: added.append(a), adder, other, False, None)
+    assert len(added) == 1  # a request with nothing in flight goes to the real add_one_req
+    with run.driver.activated():
+        req.init_next_round_input(run.cache)  # the next step's admission match finishes the load
+    assert not run.cache.loads.pending(req.rid) and req.prefix_len >= 290
+    with run.driver.activated():  # the scheduler aborts it (it never ran): nothing of it is held
+        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    run.assert_clean()
+
+
+def test_a_load_that_took_memory_the_batch_was_admitted_against_gives_it_back(monkeypatch):
+    """The adder admits requests against free + evictable memory; a load issued later in the same
+    step takes slots out of it. With the adder's budget negative the hook frees the load's slots and
+    the request goes to the real add_one_req as it is (recomputing what it lacks), never an OOM."""
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    req = run.queued_return()
+    free = run.cache.token_to_kv_pool_allocator.available_size()
+    adder = type("Adder", (), {"tree_cache": run.cache, "rem_total_tokens": -5, "cur_rem_tokens": 100})()
+    added = []
+    _around_add_one_req(lambda *a, **k: added.append(a) or AddReqResult.CONTINUE, adder, req, False, None)
+    assert len(added) == 1 and not run.cache.loads.pending(req.rid)
+    assert run.cache.loads.counters["abandoned"]["no_room"] == 1
+    assert run.cache.token_to_kv_pool_allocator.available_size() > free  # the slots came back
+    with run.driver.activated():
+        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    run.assert_clean()
+
+
+def test_an_abort_while_the_load_is_in_flight_frees_it_and_keeps_the_host_copy(monkeypatch):
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    req = run.queued_return()
+    assert run.cache.loads.in_flight_tokens() > 0
+    on_host = run.cache.spill.tokens  # (making room for the load spilled another session)
+    with run.driver.activated():  # Scheduler._release_aborted_request for a queued request
+        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    assert run.cache.loads.counters["abandoned"]["aborted"] == 1
+    assert run.cache.spill.tokens == on_host  # the spilled entries stay for a later match
+    run.assert_clean()
+    assert run.turn(PROMPTS[0] + ids(98, 20), "s0", stamp=0) >= 290
+
+
+def test_a_tree_changed_between_the_steps_abandons_the_load(monkeypatch):
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    req = run.queued_return()
+    # Another request on the same path meanwhile: the chain in flight is not found for it (no second
+    # load of the same entries), it prefills the tokens itself and they land on the path.
+    run.turn(PROMPTS[0], "s9", stamp=9000)
+    with run.driver.activated():
+        req.init_next_round_input(run.cache)
+    assert run.cache.loads.counters["abandoned"]["changed"] == 1 and run.cache.loads.counters["finished"] == 0
+    assert req.prefix_len >= 290  # matched as the tree is now
+    with run.driver.activated():
+        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    run.assert_clean()
+
+
+def test_a_failed_copy_recomputes_and_leaks_nothing(monkeypatch):
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    run.cache.pauses.host.fail_next("promote", 1)
+    failed = run.cache.spill.counters["load_failed"]
+    assert run.turn(PROMPTS[0] + ids(97, 20), "s0", stamp=0) < 290  # recomputed
+    assert run.cache.spill.counters["load_failed"] == failed + 1
+    assert run.cache.pauses.host.promotes.failures == 1
+    run.assert_clean()
+
+
+@pytest.mark.parametrize("where", ["insert", "finish"])
+def test_a_failure_when_the_load_finishes_recomputes_and_leaks_nothing(monkeypatch, where):
+    """A re-insert that raises, or anything else raising in the finish, never reaches the scheduler:
+    the request recomputes what it lacks, no slot leaks or is freed twice."""
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    target, name = (run.cache, "insert") if where == "insert" else (run.cache.loads, "finish")
+    original = getattr(target, name)
+
+    def failing(*args, **kwargs):
+        setattr(target, name, original)
+        raise RuntimeError(f"injected failure of {name}")
+
+    setattr(target, name, failing)
+    assert run.turn(PROMPTS[0] + ids(96, 20), "s0", stamp=0) < 290
+    assert run.cache.spill.counters["load_errors"] == 1
+    if where == "finish":  # the load it left behind went with the request
+        assert run.cache.loads.counters["abandoned"]["unfinished"] == 1
+    run.assert_clean()
+
+
+def test_a_reset_drops_the_loads_in_flight(monkeypatch):
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    run.queued_return()
+    run.driver.flush_cache()  # no live request: the queued one's load goes with the tree
+    assert run.cache.loads.counters["abandoned"]["reset"] == 1
+    run.assert_clean()
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.delenv(ASYNC_LOAD_ENV, raising=False)
+    assert async_load_wanted("cpu") and not async_load_wanted("cuda")
+    monkeypatch.setenv(ASYNC_LOAD_ENV, "1")
+    assert async_load_wanted("cuda")
