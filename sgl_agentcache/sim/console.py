@@ -62,7 +62,7 @@ def _table(rows: list[dict], title: str):
         table.add_row("(LP lower bound)", *[f"{bound[w]:.2f}" if bound.get(w) is not None else "-" for w in workloads])
     ideal = {r["workload"]: r.get("ideal_hit_rate") for r in rows if r.get("ideal_hit_rate") is not None}
     if ideal:
-        table.add_row("(infinite cache)", *[f"hit {ideal[w]:.2f}" if w in ideal else "-" for w in workloads])
+        table.add_row("(stock, infinite pool)", *[f"hit {ideal[w]:.2f}" if w in ideal else "-" for w in workloads])
     return table
 
 

@@ -17,7 +17,7 @@ baseline also run at the sweep levels (``sweep_hosts``, at ``sweep_pressure``).
 Statistics. Each figure is a mean over seeds with a 95% confidence interval (Student t over the
 per-seed values); ours against each other system is the per-seed ratio of recomputed tokens, and a
 verdict is "better" or "worse" only when its interval excludes 1 ("tie" otherwise). Every cell also
-carries the infinite-cache hit rate and the LP lower bound (``sim/bound.py``) on recompute for its
+carries stock's hit rate with an infinite pool (for scale, not a bound) and the LP lower bound (``sim/bound.py``) on recompute for its
 capacity: the smallest of its runs' bounds, so a bound for each of them; every run is checked to
 recompute at least its own bound.
 
@@ -113,15 +113,17 @@ def scaled_profile(profile: Profile, token_scale: int) -> Profile:
 
 
 def infinite_cache(trace, profile: Profile) -> ReplayResult:
-    """An infinite cache on this trace: stock with a pool that never evicts (exact, including the outputs
-    each call leaves for the next). What it recomputes is what no cache can avoid in this replay: tokens
-    no earlier call computed."""
+    """Stock with a pool that never evicts, on this trace (including the outputs each call leaves for
+    the next). Not a bound: with room for everything no call ever queues, so calls that a tight pool
+    holds back until a sibling has computed their shared prompt start at once and miss it (on
+    ``stable_prompts`` write-back and ours under a tight pool recompute less). The bound is
+    ``sim/bound.py``'s."""
     total = sum(r.input_tokens + max(r.output_tokens, 1) for r in trace.requests)
     return replay(trace, "stock", pool_tokens=total + 1024, host_tokens=0, profile=profile, vocab_size=REPLAY_VOCAB)
 
 
 def ideal_hit_rate(trace, profile: Profile) -> float:
-    """Hit rate of :func:`infinite_cache`, the limit no policy can beat."""
+    """Hit rate of :func:`infinite_cache` (for scale: not a bound, see there)."""
     return infinite_cache(trace, profile).hit_rate
 
 
