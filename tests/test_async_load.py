@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import random
 import threading
-from array import array
 
 import pytest
 import torch
 from sglang.srt.managers.schedule_policy import AddReqResult
-from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome, MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+
+from kv_stamps import path_kv, stamp_prompt_kv
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.server.admission import _around_add_one_req
@@ -45,7 +45,6 @@ class Run:
         self.cache.set_host_spill(True)
         self.cache.pauses.host.capacity_tokens = 4096
         self.driver = OfflineDriver(self.cache)
-        self.kv = self.cache.token_to_kv_pool_allocator.get_kvcache()
         self.loaded_on: list[int] = []  # thread ident of every load_cpu_copy
         allocator = self.cache.token_to_kv_pool_allocator
         real = allocator.load_cpu_copy
@@ -64,9 +63,7 @@ class Run:
     def turn(self, prompt, session: str, stamp: int) -> int:
         req = self.driver.admit(f"r{self.n}", prompt, kv_hints=self.hint(session))
         cached = req.cached_tokens
-        idx = self.driver.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(prompt)]
-        for buf in self.kv.k_buffer + self.kv.v_buffer:
-            buf[idx[cached:]] = (torch.arange(cached, len(prompt), dtype=buf.dtype) + stamp).view(-1, 1, 1)
+        stamp_prompt_kv(self.driver, req, prompt, stamp, start=cached)
         self.driver.extend(req, [7])
         self.driver.finish(req)
         return cached
@@ -85,15 +82,15 @@ class Run:
         return req
 
     def resident(self, prompt) -> int:
-        with self.driver.activated():
-            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
-        return match.device_prefix_len
+        return path_kv(self.driver, prompt)[0]
 
     def kv_of(self, prompt):
+        return path_kv(self.driver, prompt)[1]
+
+    def abort_queued(self, req) -> None:
+        """Scheduler._release_aborted_request for a request that never ran (still queued)."""
         with self.driver.activated():
-            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
-            slots = self.cache.path_device_indices(match.last_device_node)[: match.device_prefix_len]
-        return [buf[slots].flatten().clone() for buf in self.kv.k_buffer + self.kv.v_buffer]
+            self.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
 
     def assert_clean(self) -> None:
         report = self.driver.check()
@@ -141,8 +138,7 @@ def test_the_scheduler_skips_the_request_until_its_next_match(monkeypatch):
     with run.driver.activated():
         req.init_next_round_input(run.cache)  # the next step's admission match finishes the load
     assert not run.cache.loads.pending(req.rid) and req.prefix_len >= 290
-    with run.driver.activated():  # the scheduler aborts it (it never ran): nothing of it is held
-        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    run.abort_queued(req)  # the scheduler aborts it (it never ran): nothing of it is held
     run.assert_clean()
 
 
@@ -160,8 +156,7 @@ def test_a_load_that_took_memory_the_batch_was_admitted_against_gives_it_back(mo
     assert len(added) == 1 and not run.cache.loads.pending(req.rid)
     assert run.cache.loads.counters["abandoned"]["no_room"] == 1
     assert run.cache.token_to_kv_pool_allocator.available_size() > free  # the slots came back
-    with run.driver.activated():
-        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    run.abort_queued(req)
     run.assert_clean()
 
 
@@ -171,8 +166,7 @@ def test_an_abort_while_the_load_is_in_flight_frees_it_and_keeps_the_host_copy(m
     req = run.queued_return()
     assert run.cache.loads.in_flight_tokens() > 0
     on_host = run.cache.spill.tokens  # (making room for the load spilled another session)
-    with run.driver.activated():  # Scheduler._release_aborted_request for a queued request
-        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    run.abort_queued(req)  # Scheduler._release_aborted_request for a queued request
     assert run.cache.loads.counters["abandoned"]["aborted"] == 1
     assert run.cache.spill.tokens == on_host  # the spilled entries stay for a later match
     run.assert_clean()
@@ -190,8 +184,7 @@ def test_a_tree_changed_between_the_steps_abandons_the_load(monkeypatch):
         req.init_next_round_input(run.cache)
     assert run.cache.loads.counters["abandoned"]["changed"] == 1 and run.cache.loads.counters["finished"] == 0
     assert req.prefix_len >= 290  # matched as the tree is now
-    with run.driver.activated():
-        run.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    run.abort_queued(req)
     run.assert_clean()
 
 

@@ -15,6 +15,8 @@ import threading
 import pytest
 import torch
 
+from kv_stamps import path_kv, stamp_prompt_kv
+
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_ENV, COPY_AHEAD_TOKENS_ENV, copy_ahead_wanted
@@ -38,7 +40,6 @@ class Run:
         self.cache.set_host_spill(True)
         self.cache.pauses.host.capacity_tokens = host
         self.driver = OfflineDriver(self.cache)
-        self.kv = self.cache.token_to_kv_pool_allocator.get_kvcache()
         self.copied_on: list[int] = []  # thread ident of every get_cpu_copy
         allocator = self.cache.token_to_kv_pool_allocator
         real = allocator.get_cpu_copy
@@ -55,24 +56,14 @@ class Run:
         hint = lifecycle_envelope({"session": session, "branch": branch}, message_id=f"m{self.n}")
         req = self.driver.admit(f"r{self.n}", prompt, kv_hints=hint)
         cached = req.cached_tokens
-        idx = self.driver.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(prompt)]
-        for buf in self.kv.k_buffer + self.kv.v_buffer:
-            buf[idx[cached:]] = (torch.arange(cached, len(prompt), dtype=buf.dtype) + stamp).view(-1, 1, 1)
+        stamp_prompt_kv(self.driver, req, prompt, stamp, start=cached)
         self.driver.extend(req, [7])
         self.driver.finish(req)
         self.cache.copy_ahead.wait_idle()  # a test's tick: let the worker finish what it was given
         return cached
 
     def kv_of_path(self, prompt):
-        from array import array
-
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        with self.driver.activated():
-            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
-            slots = self.cache.path_device_indices(match.last_device_node)[: match.device_prefix_len]
-        return match.device_prefix_len, [buf[slots].flatten().clone() for buf in self.kv.k_buffer + self.kv.v_buffer]
+        return path_kv(self.driver, prompt)
 
     def host_view(self):
         return sorted((tuple(e.tokens), e.state, e.protected, e.low_value) for e in self.cache.spill.lru)

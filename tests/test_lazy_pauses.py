@@ -16,6 +16,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+from kv_stamps import path_kv, stamp_prompt_kv
+
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.distributions import LogNormal, PointMass
@@ -39,7 +41,6 @@ class Lazy:
         # Decisions priced as the seed profile's deployment (36 KiB per token), not the 8-byte test pool.
         self.cache.pauses.settings.bytes_per_token = 36 * 1024
         self.driver = OfflineDriver(self.cache)
-        self.kv = self.cache.token_to_kv_pool_allocator.get_kvcache()
         self.n = 0
 
     def turn(self, prompt, session=None, branch="main", out=(7,), stamp=None):
@@ -49,23 +50,13 @@ class Lazy:
         req = self.driver.admit(f"r{self.n}", prompt, kv_hints=hint)
         cached = req.cached_tokens
         if stamp is not None:
-            idx = self.driver.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(prompt)]
-            for buf in self.kv.k_buffer + self.kv.v_buffer:
-                buf[idx] = (torch.arange(len(prompt), dtype=buf.dtype) + stamp).view(-1, 1, 1)
+            stamp_prompt_kv(self.driver, req, prompt, stamp)
         self.driver.extend(req, list(out))
         self.driver.finish(req)
         return cached
 
     def kv_of_path(self, prompt):
-        from array import array
-
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        with self.driver.activated():
-            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
-            slots = self.cache.path_device_indices(match.last_device_node)[: match.device_prefix_len]
-        return [buf[slots].flatten().clone() for buf in self.kv.k_buffer + self.kv.v_buffer]
+        return path_kv(self.driver, prompt)[1]
 
     def pause(self, session, latency, branch="main", **kw):
         with self.driver.activated():

@@ -60,7 +60,8 @@ class AsyncLoads:
         self.cache = cache
         self.enabled = enabled
         self.by_rid: dict[str, _InFlight] = {}
-        self._worker: TransferWorker | None = None
+        device = getattr(cache.token_to_kv_pool_allocator, "device", "cpu")
+        self._worker = TransferWorker(device, "agentcache-load")  # its thread starts at the first load
         self.counters = {"issued": 0, "issued_tokens": 0, "finished": 0, "loaded_tokens": 0,
                          "joined_running": 0, "abandoned": {"changed": 0, "no_room": 0, "aborted": 0, "unfinished": 0,
                                                       "reset": 0}}
@@ -82,7 +83,7 @@ class AsyncLoads:
         if load is None:
             return False
         spill.loading.update(load.chain)
-        self.by_rid[rid] = _InFlight(load, self._worker_for().submit(spill.copy_chain, load))
+        self.by_rid[rid] = _InFlight(load, self._worker.submit(spill.copy_chain, load))
         self.counters["issued"] += 1
         self.counters["issued_tokens"] += len(load.new)
         return True
@@ -138,12 +139,6 @@ class AsyncLoads:
 
     def _free(self, load: PreparedLoad) -> None:
         self.cache.token_to_kv_pool_allocator.free(load.new)
-
-    def _worker_for(self) -> TransferWorker:
-        if self._worker is None:
-            device = getattr(self.cache.token_to_kv_pool_allocator, "device", "cpu")
-            self._worker = TransferWorker(device, "agentcache-load")
-        return self._worker
 
 
 __all__ = ["ASYNC_LOAD_ENV", "AsyncLoads", "async_load_wanted"]

@@ -64,7 +64,8 @@ class CopyAhead:
         self.enabled = enabled and self.budget_tokens > 0
         self.pending: dict = {}  # node -> _Ahead
         self.pending_tokens = 0
-        self._worker: TransferWorker | None = None
+        device = getattr(cache.token_to_kv_pool_allocator, "device", "cpu")
+        self._worker = TransferWorker(device, "agentcache-copy-ahead")  # its thread starts at the first copy
         self.counters = {"issued": 0, "issued_tokens": 0, "used": 0, "used_tokens": 0, "joined_running": 0,
                          "stale": 0, "dropped": 0, "failed": 0, "worker_copy_s": 0.0}
 
@@ -104,7 +105,7 @@ class CopyAhead:
     def _issue(self, node) -> None:
         value = node.component_data[FULL].value
         n = len(value)
-        self.pending[node] = _Ahead(value, n, self._worker_for().submit(self._copy, value))
+        self.pending[node] = _Ahead(value, n, self._worker.submit(self._copy, value))
         self.pending_tokens += n
         self.counters["issued"] += 1
         self.counters["issued_tokens"] += n
@@ -114,12 +115,6 @@ class CopyAhead:
         began = time.perf_counter()
         kv = self.cache.token_to_kv_pool_allocator.get_cpu_copy(slots)
         return kv, time.perf_counter() - began
-
-    def _worker_for(self) -> TransferWorker:
-        if self._worker is None:
-            device = getattr(self.cache.token_to_kv_pool_allocator, "device", "cpu")
-            self._worker = TransferWorker(device, "agentcache-copy-ahead")
-        return self._worker
 
     # ---- the eviction path ----
 
