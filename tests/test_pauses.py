@@ -63,8 +63,12 @@ class Harness:
         return [buf[idx].flatten().clone() for buf in self.kv.k_buffer + self.kv.v_buffer]
 
     def pause(self, session: str, branch: str = "main", **kwargs) -> dict:
+        """Pause, then run the scheduler's next step, where an offload's copy (made by a worker
+        thread, ``AGENTCACHE_ASYNC_OFFLOAD``) lands and the suffix is freed."""
         with self.driver.activated():
-            return self.cache.pauses.pause(BranchKey(NS, session, branch), **kwargs)
+            result = self.cache.pauses.pause(BranchKey(NS, session, branch), **kwargs)
+            self.cache.flush_pending_backups()
+        return result
 
     def call(self, method: str, session: str, branch: str = "main") -> dict:
         with self.driver.activated():
@@ -252,16 +256,21 @@ def test_host_full_falls_back_to_discard():
 
 
 @pytest.mark.parametrize("kind", ["demote", "promote"])
-def test_failed_transfers_fall_back_to_recompute(kind):
+@pytest.mark.parametrize("async_offload", [False, True], ids=["sync", "async"])
+def test_failed_transfers_fall_back_to_recompute(kind, async_offload):
+    """A failed device->host copy discards the branch: at once when the copy runs in the pause, when it
+    lands (the next step) when a worker made it -- the pause has answered "offload" by then."""
     h = Harness()
+    h.cache.copies.async_offload = async_offload
     prompt = ids(0, 300)
     h.turn("x", prompt, [3])
     h.cache.pauses.host.fail_next(kind)
-    result = h.pause("x", force=PauseAction.OFFLOAD)
+    result = h.pause("x", force=PauseAction.OFFLOAD)  # the harness runs the next step: it has landed
+    placement = h.cache.pauses.records[BranchKey(NS, "x", "main")].placement.value
     again = h.turn("x", prompt + [3], [4])
     assert again.cached_tokens == STABLE  # recomputed, correctly
     if kind == "demote":
-        assert result["action"] == "discard"
+        assert result["action"] == ("offload" if async_offload else "discard") and placement == "none"
         assert h.cache.pauses.counters["offload_fallbacks"]["transfer_failed"] == 1
     else:
         assert result["action"] == "offload"
@@ -289,12 +298,15 @@ def _raise_once(target, name: str, *, after: bool = False):
 
 
 @pytest.mark.parametrize("where", ["promote", "insert", "insert-after", "restore"])
-def test_any_failure_of_a_restore_in_the_match_falls_back_to_recompute(where):
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_any_failure_of_a_restore_in_the_match_falls_back_to_recompute(where, async_load):
     """Issue #22 item 10: a restore runs inside the scheduler's match (``match_prefix``), and only a
     ``TransferError`` was handled there: ``promote``'s ``ValueError``, a failing re-insert or anything
     else reached the scheduler, which dies with every request. Each now leaves the request to
-    recompute, drops the copy, ends the pause, leaks no slot, and the next turn works."""
+    recompute, drops the copy, ends the pause, leaks no slot, and the next turn works. ``async_load``:
+    the copy back is made by a worker between two matches (``AGENTCACHE_ASYNC_LOAD``)."""
     h = Harness()
+    h.cache.loads.enabled = async_load
     pauses = h.cache.pauses
     prompt = ids(0, 300)
     h.turn("u", prompt, [3])
@@ -302,7 +314,7 @@ def test_any_failure_of_a_restore_in_the_match_falls_back_to_recompute(where):
     if where == "promote":  # a bare ValueError, raised before the copy (promote's own length check)
         pauses.host.fail_next("promote", unexpected=True)
     elif where == "restore":  # anything at all, caught by match_prefix itself
-        armed = _raise_once(pauses.copies, "restore")
+        armed = _raise_once(pauses.copies, "prepare_restore" if async_load else "restore")
     else:
         armed = _raise_once(h.cache, "insert", after=where == "insert-after")
     again = h.turn("u", prompt + [3], [4])
@@ -452,10 +464,13 @@ def test_a_copy_hung_from_a_closed_siblings_prefix_is_still_restored():
     h.assert_clean()
 
 
-def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_arrives():
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_arrives(async_load):
     """Admission (request arrival) marks the pause resuming and leaves the host copy; the copy comes
     back, and the pause ends, when the scheduler matches the request for a batch. Restored at arrival,
-    it would sit unlocked while the request waits, in the pool the running batch evicts from."""
+    it would sit unlocked while the request waits, in the pool the running batch evicts from.
+    ``async_load``: that match issues the copy to a worker (the scheduler skips the request for the
+    step, ``admission._around_add_one_req``) and the next match inserts it."""
     from array import array
 
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
@@ -466,6 +481,7 @@ def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_a
     from sgl_agentcache.server.offline import OfflineReq
 
     h = Harness()
+    h.cache.loads.enabled = async_load
     prompt = ids(0, 300)
     h.turn("s", prompt, [7, 8])
     owner = BranchKey(NS, "s", "main")
@@ -479,6 +495,12 @@ def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_a
         assert h.cache.pauses.host.tokens_of(owner) == moved  # ...but the copy waits for the batch
         assert h.cache.tree_core.resident_owned_tokens(owner) == 0
         match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
+        if async_load:
+            assert match.device_prefix_len == STABLE and h.cache.loads.pending("late")  # copy in flight
+            assert h.cache.pauses.records[owner].resuming
+            assert h.cache.loads.in_flight_tokens() == 300 + 1 - STABLE  # neither free nor in the tree
+            match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
+            assert not h.cache.loads.pending("late") and h.cache.loads.counters["restores_finished"] == 1
     assert match.device_prefix_len == 300 + 1  # restored, then matched
     assert owner not in h.cache.pauses.records  # the pause is over
     assert h.cache.pauses.host.used_tokens == 0 and h.cache.pauses.counters["restores"] == 1
@@ -502,13 +524,18 @@ def _waiting_request(h: Harness, rid: str, session: str, tokens: list[int]):
 
 
 def _match(h: Harness, req) -> int:
-    """The scheduler's match of a waiting request (``init_next_round_input``): prefix tokens found."""
+    """The scheduler's match of a waiting request (``init_next_round_input``): prefix tokens found.
+    A match that handed the request's restore to a worker is followed by the next step's match, which
+    finishes it (the scheduler skips the request in between)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     with h.driver.activated():
         key = RadixKey(req.origin_input_ids)
-        return h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
+        found = h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
+        if h.cache.loads.pending(req.rid):
+            found = h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
+        return found
 
 
 def test_a_restore_without_room_waits_for_the_requests_next_match():
@@ -711,7 +738,8 @@ def test_discarding_a_lead_spills_the_node_its_subagents_copy_hangs_from():
     h.assert_clean()
 
 
-def test_an_offload_that_frees_less_than_it_copied_is_handled_not_asserted():
+@pytest.mark.parametrize("async_offload", [False, True], ids=["sync", "async"])
+def test_an_offload_that_frees_less_than_it_copied_is_handled_not_asserted(async_offload):
     """Issue #22 item 14: ``assert freed == moved`` ran in the serving path (an offload): a node of the
     suffix locked between the copy and the eviction -- as HiCache's backup in flight does -- killed
     the scheduler. The offload now frees what it can, counts the rest, keeps the copy whole, and the
@@ -724,17 +752,24 @@ def test_an_offload_that_frees_less_than_it_copied_is_handled_not_asserted():
     branch = BranchKey(NS, "l", "main")
     chain = pauses.copies.movable_suffix(branch)
     assert [len(n.key) for n in chain] == [300 - STABLE, 21]
-    demote, held = pauses.host.demote, {}
+    free_before, held = h.driver.free_tokens(), {}
+    if async_offload:  # the copy is in flight; something locks the suffix's top node before it lands
+        with h.driver.activated():
+            result = pauses.pause(branch, force=PauseAction.OFFLOAD)
+            held["lock"] = h.cache.lock(chain[0].id)
+            h.cache.flush_pending_backups()
+    else:
+        pauses.copies.async_offload = False
+        demote = pauses.host.demote
 
-    def demote_then_lock(*args, **kwargs):  # the copy works, then something locks the suffix's top node
-        entry = demote(*args, **kwargs)
-        held["lock"] = h.cache.lock(chain[0].id)
-        return entry
+        def demote_then_lock(*args, **kwargs):  # the copy works, then something locks the suffix's top
+            entry = demote(*args, **kwargs)
+            held["lock"] = h.cache.lock(chain[0].id)
+            return entry
 
-    pauses.host.demote = demote_then_lock
-    free_before = h.driver.free_tokens()
-    result = h.pause("l", force=PauseAction.OFFLOAD)
-    pauses.host.demote = demote
+        pauses.host.demote = demote_then_lock
+        result = h.pause("l", force=PauseAction.OFFLOAD)
+        pauses.host.demote = demote
     assert result["action"] == "offload" and pauses.counters["offload_partial"] == 1
     assert h.driver.free_tokens() == free_before + 21  # the unlocked leaf left the device, the top stayed
     assert pauses.host.tokens_of(branch) == 300 - STABLE + 21  # the copy is whole

@@ -154,7 +154,9 @@ def test_failed_transfer_falls_back_to_recompute(server, tokens, kind, unexpecte
     after = _stats(server)["pauses"]
     assert cached2 == STABLE
     if kind == "demote":
-        assert paused["action"] == "discard"
+        # A worker's copy fails after the pause answered (AGENTCACHE_ASYNC_OFFLOAD, on by default on CPU):
+        # the branch is discarded when it lands, at the scheduler's next step or idle poll.
+        assert paused["action"] == ("offload" if after["offload_copies"]["async"] else "discard")
         assert after["offload_fallbacks"]["transfer_failed"] == before["offload_fallbacks"]["transfer_failed"] + 1
     else:
         assert after["restore_failures"]["transfer_failed"] == before["restore_failures"]["transfer_failed"] + 1

@@ -77,7 +77,9 @@ class _Rank:
 
         with self.driver.activated():
             key = BranchKey(namespace_key(None, None), session, branch)
-            return self.cache.pauses.pause(key, force=PauseAction.OFFLOAD)["action"]
+            action = self.cache.pauses.pause(key, force=PauseAction.OFFLOAD)["action"]
+            self.cache.flush_pending_backups()  # the next step: an asynchronous offload's copy lands (agreed)
+            return action
 
     def evict_everything(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams

@@ -29,7 +29,7 @@ def rank(state, session_ref=0, last=0.0, **flags):
     return device_rank(VALUES, state, session_ref, last, **flags)
 
 
-def test_device_order_is_ended_trim_scratch_session_stable_pinned_then_refs_then_recency():
+def test_device_order_is_leaving_ended_trim_scratch_session_stable_pinned_then_refs_then_recency():
     nodes = {
         "stable_old": rank(NodeState(NodeClass.STABLE), 0, 1.0),
         "session_ref": rank(NodeState(NodeClass.SESSION, B), 2, 0.5),
@@ -42,10 +42,11 @@ def test_device_order_is_ended_trim_scratch_session_stable_pinned_then_refs_then
         "dead_scratch": rank(NodeState(NodeClass.SCRATCH, B, terminated=True), 0, 50.0),
         "over_quota_session": rank(NodeState(NodeClass.SESSION, B), 0, 0.0, over_quota=True),
         "pinned_scratch": rank(NodeState(NodeClass.SCRATCH, B), 0, 0.0, kept=True),
+        "leaving_stable": rank(NodeState(NodeClass.STABLE, B), 3, 99.0, leaving=True),  # an offload copies it
     }
     assert sorted(nodes, key=nodes.get) == [
-        "dead_scratch", "dead_stable", "over_quota_session", "untagged_mid", "scratch_new", "scratch_ref",
-        "session_old", "session_new", "session_ref", "stable_old", "pinned_scratch"]
+        "leaving_stable", "dead_scratch", "dead_stable", "over_quota_session", "untagged_mid", "scratch_new",
+        "scratch_ref", "session_old", "session_new", "session_ref", "stable_old", "pinned_scratch"]
 
 
 @given(st.lists(st.floats(allow_nan=False), min_size=2, max_size=20))

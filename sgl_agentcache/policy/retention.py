@@ -27,8 +27,10 @@ advice sets a paused branch's band.
 
 Hard rules come first, as *bands* (a band always beats value)::
 
-    ENDED < TRIM < VALUED < PROTECTED < PINNED
+    LEAVING < ENDED < TRIM < VALUED < PROTECTED < PINNED
 
+- ``LEAVING``: device nodes an offload is copying to host; they are freed when the copy lands, so
+  eviction takes them before anything (exactly what a synchronous offload would already have freed).
 - ``ENDED``: the owning branch ended; reclaimable now.
 - ``TRIM``: a live branch over its quota (device), or an entry spilled while over quota or advised
   DISCARD (host): a quota bounds fairness under pressure, it does not cap a branch while memory is
@@ -59,6 +61,7 @@ __all__ = ["Band", "DEFAULT_DEVICE_REUSE", "RetentionModel", "device_band", "dev
 class Band(IntEnum):
     """Hard-rule bands, lowest evicted first (see the module docstring)."""
 
+    LEAVING = -1
     ENDED = 0
     TRIM = 1
     VALUED = 2
@@ -145,14 +148,15 @@ def device_band(state: NodeState, *, kept: bool = False, over_quota: bool = Fals
 
 
 def device_rank(values: Mapping[NodeClass, float], state: NodeState, session_ref: int, last_access,
-                kept: bool = False, anchor: bool = False, over_quota: bool = False) -> tuple:
+                kept: bool = False, anchor: bool = False, over_quota: bool = False, leaving: bool = False) -> tuple:
     """Eviction sort key of a device leaf; the smallest goes first. ``values`` is
     :meth:`RetentionModel.device_values`; ``last_access`` is SGLang's configured priority (its logical
     LRU counter by default). Band, then value per token (an anchor at least a stable prefix's, even
     when its own branch ended: a closed sibling created the prefix the copy shares), then SGLang's
     session-radix references (unreferenced before referenced, fewer before more; all 0 without
-    ``--enable-session-radix-cache``), then recency."""
-    band = device_band(state, kept=kept, over_quota=over_quota)
+    ``--enable-session-radix-cache``), then recency. ``leaving``: an offload is copying the node to
+    host and frees it when the copy lands: it goes first (:attr:`Band.LEAVING`)."""
+    band = Band.LEAVING if leaving else device_band(state, kept=kept, over_quota=over_quota)
     value = values[state.cls] if band is Band.VALUED else 0.0
     if anchor and band <= Band.VALUED:  # a pinned anchor stays pinned
         band, value = Band.VALUED, max(value, values[NodeClass.STABLE])

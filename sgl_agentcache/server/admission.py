@@ -20,6 +20,12 @@ for every request that keeps waiting.
 An AROUND hook on ``PrefillAdder.add_one_req`` skips, for one step, a request whose spilled KV is
 being loaded back by a worker thread (``server/async_load.py``): it returns ``CONTINUE`` without
 adding it, so the scheduler goes on with the rest of the queue and matches it again next step.
+
+An AFTER hook on ``Scheduler.on_idle`` lands eager offloads and prefetches whose copy a worker made
+(``server/host_copies.py``, ``server/async_load.py``): with no batch there is no
+``flush_pending_backups`` to land them, and an idle server would otherwise keep an offloaded suffix on
+the device (or a prefetch's slots unfilled) until the next request. Every TP
+rank is idle at the same loop iteration (same messages, same batches), so they land at the same point.
 """
 
 from __future__ import annotations
@@ -69,6 +75,14 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
     return original(adder, req, *args, **kwargs)
 
 
+def _after_on_idle(result, scheduler, *args, **kwargs):
+    cache = scheduler.tree_cache
+    copies = getattr(cache, "copies", None)
+    if copies is not None and (copies.offloading or cache.loads.prefetches):  # a few reads per idle poll otherwise
+        cache.pauses.land_copies()
+    return result
+
+
 def install() -> None:
     """Register the scheduler hooks (every process; they only resolve inside schedulers' use)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -79,6 +93,7 @@ def install() -> None:
                           _around_calc_priority, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
                           _around_add_one_req, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER)
 
 
 def parent_refusal(parent: BranchKey, seen, closed) -> str | None:

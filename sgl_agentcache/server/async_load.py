@@ -1,4 +1,4 @@
-"""Load-backs of spilled KV for a request being admitted, copied off the scheduler thread.
+"""Host->device copies for a request being admitted, and prefetches, made off the scheduler thread.
 
 A request's admission match (``AgentRadixCache.match_prefix``, not a ranking match) that finds spilled
 entries continuing its device match used to copy them back right there, on the scheduler thread, before
@@ -11,21 +11,33 @@ goes on with the rest of the queue. At the request's next admission match the lo
 (:meth:`AsyncLoads.finish`): the copy is joined (usually done by then: it ran beside a forward pass),
 the chain inserted, and the request matched and admitted with it.
 
+An eager pause's restore for the branch's next request goes the same way
+(:meth:`AsyncLoads.issue_restore`: ``HostCopies.prepare_restore`` allocates the slots and holds the
+prefix, the next match inserts with ``HostCopies.finish_restore`` and ends the pause). A prefetch
+("the tool is nearly done", :meth:`AsyncLoads.issue_prefetch`) belongs to no request: it lands at a
+later scheduler step (:meth:`AsyncLoads.land_prefetches`; a busy step lands only copies already made
+on every rank, an idle poll waits), or as soon as anything touches the branch (:meth:`AsyncLoads.settle`:
+its request, a resume, another restore).
+
 Every TP rank takes the same decisions: the load is issued and finished at the same matches on every
 rank (their order is the scheduler's, never the worker's pace), the join waits for the copy however
 long it takes, and a failed copy is agreed on (``AgentRadixCache.agree``) so every rank recomputes.
 Between the two steps the tree may change: the finish inserts only if the device match and the chain
-are still exactly what the issue found (``SpillTier.still_current``); otherwise it frees the slots and
-the request is matched as things are now (counted ``abandoned["changed"]``). If the load's slots
-came out of memory the requests already in the batch being built were admitted against (the adder's
-budget went negative), the hook gives them back at once and the request is added as it is,
-recomputing what it lacks (``abandoned["no_room"]``). A request aborted while
-its load is in flight (``release_aborted_request``) and a cache reset drop the load: the copy is
-joined first (the worker may still be writing the slots), then the slots are freed.
+are still exactly what the issue found (``SpillTier.still_current``; for a restore, the held prefix's
+match); otherwise it frees the slots and the request is matched as things are now (counted
+``abandoned["changed"]``). If the load's slots came out of memory the requests already in the batch
+being built were admitted against (the adder's budget went negative), the hook gives them back at once
+and the request is added as it is, recomputing what it lacks (``abandoned["no_room"]``). A request
+aborted while its load is in flight (``release_aborted_request``), a branch closed or discarded while
+its copy comes back (``abandoned["dropped"]``) and a cache reset drop the copy: it is joined first (the
+worker may still be writing the slots), then the slots are freed.
 
 ``AGENTCACHE_ASYNC_LOAD``: ``auto`` (default: on for CPU pools, off for CUDA ones until the side-stream
-path has run on a GPU), ``1``, ``0`` (load-backs copy on the scheduler thread, as before). Speculative
-loads (prefetch) and eager pauses' restores still copy on the scheduler thread.
+path has run on a GPU), ``1``, ``0`` (every host->device copy on the scheduler thread, as before). Eager
+offloads (device->host) copy on a worker too (``AGENTCACHE_ASYNC_OFFLOAD``,
+:mod:`~sgl_agentcache.server.host_copies`). Still on the scheduler thread: a fork's restore of its
+paused lead's history, and a restore the resume route asks for (``/agentcache/resume`` on an offloaded
+branch, before its request comes; the request's own restore is asynchronous).
 """
 
 from __future__ import annotations
@@ -34,6 +46,9 @@ import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from sgl_agentcache.lifecycle import BranchKey
+from sgl_agentcache.server.host_copies import PreparedRestore
+from sgl_agentcache.server.host_tier import TransferError
 from sgl_agentcache.server.spill import PreparedLoad
 from sgl_agentcache.server.transfer_worker import TransferWorker, wanted
 
@@ -51,6 +66,23 @@ class _InFlight:
     load: PreparedLoad
     future: Future  # -> seconds the copy took
 
+    @property
+    def slots(self) -> int:
+        return len(self.load.new)
+
+
+@dataclass
+class _Restoring:
+    """An eager pause's host copy being copied back for the branch's request (``HostCopies``)."""
+
+    prepared: PreparedRestore
+    future: Future  # -> seconds the copy took
+    seconds: float = 0.0
+
+    @property
+    def slots(self) -> int:
+        return len(self.prepared.new)
+
 
 class AsyncLoads:
     """The load-backs in flight of one cache, by request id (see the module docstring). Owned by the
@@ -59,12 +91,16 @@ class AsyncLoads:
     def __init__(self, cache, enabled: bool):
         self.cache = cache
         self.enabled = enabled
-        self.by_rid: dict[str, _InFlight] = {}
+        self.by_rid: dict[str, _InFlight | _Restoring] = {}
+        self.restoring: dict[BranchKey, str] = {}  # branch -> the request its eager restore is copied for
+        self.prefetches: dict[BranchKey, _Restoring] = {}  # speculative restores in flight, in issue order
         device = getattr(cache.token_to_kv_pool_allocator, "device", "cpu")
         self._worker = TransferWorker(device, "agentcache-load")  # its thread starts at the first load
         self.counters = {"issued": 0, "issued_tokens": 0, "finished": 0, "loaded_tokens": 0,
                          "joined_running": 0, "abandoned": {"changed": 0, "no_room": 0, "aborted": 0, "unfinished": 0,
-                                                      "reset": 0}}
+                                                      "reset": 0, "dropped": 0},
+                         "restores_issued": 0, "restores_finished": 0, "prefetches_issued": 0,
+                         "prefetches_landed": 0}
 
     def pending(self, rid) -> bool:
         """Whether ``rid`` has a load in flight (the scheduler skips it until its next match)."""
@@ -73,7 +109,7 @@ class AsyncLoads:
     def in_flight_tokens(self) -> int:
         """Device slots allocated to loads in flight (neither free nor in the tree: the integrity
         check's conservation counts them)."""
-        return sum(len(f.load.new) for f in self.by_rid.values())
+        return sum(f.slots for f in self.by_rid.values()) + sum(f.slots for f in self.prefetches.values())
 
     def issue(self, rid, key, last_device_node, device_prefix_len: int) -> bool:
         """Start loading back what continues ``key`` past its device match, for request ``rid``.
@@ -88,10 +124,58 @@ class AsyncLoads:
         self.counters["issued_tokens"] += len(load.new)
         return True
 
+    def issue_restore(self, rid, prepared: PreparedRestore) -> None:
+        """Copy an eager pause's host copy back for request ``rid`` (its slots allocated and its prefix
+        held by ``HostCopies.prepare_restore(hold=True)``); finished at the request's next match."""
+        host = self.cache.pauses.host
+        future = self._worker.submit(host.copy_back, prepared.entry, prepared.first, prepared.new)
+        self.by_rid[rid] = _Restoring(prepared, future)
+        self.restoring[prepared.branch] = rid
+        self.counters["restores_issued"] += 1
+
+    def issue_prefetch(self, prepared: PreparedRestore) -> None:
+        """Copy a paused branch's host copy back ahead of its request (a prefetch; its slots allocated
+        and its prefix held by ``HostCopies.prepare_restore(hold=True)``). It lands at a later step
+        (:meth:`land_prefetches`), or when anything touches the branch first (:meth:`settle`)."""
+        host = self.cache.pauses.host
+        future = self._worker.submit(host.copy_back, prepared.entry, prepared.first, prepared.new)
+        self.prefetches[prepared.branch] = _Restoring(prepared, future)
+        self.counters["prefetches_issued"] += 1
+
+    def copying_back(self, branch: BranchKey) -> bool:
+        """Whether ``branch``'s host copy is being copied back for its request (then nothing else may
+        restore it: the finish inserts it)."""
+        return bool(self.restoring) and branch in self.restoring
+
+    def settle(self, branch: BranchKey) -> int | None:
+        """Land ``branch``'s prefetch in flight now, if it has one (its request came, it resumes, it
+        expires...): returns the tokens it restored, or None when none was in flight."""
+        flight = self.prefetches.pop(branch, None) if self.prefetches else None
+        return None if flight is None else self._land_prefetch(flight)
+
+    def land_prefetches(self, *, wait: bool = True) -> None:
+        """The scheduler's step: prefetches in flight land (without ``wait``, only those whose copy is
+        made on every TP rank, in issue order: the worker makes them in that order)."""
+        for branch, flight in list(self.prefetches.items()):
+            if not wait and not self.cache.agreement(flight.future.done()):
+                break
+            del self.prefetches[branch]
+            self._land_prefetch(flight)
+
+    def drop_branch(self, branch: BranchKey) -> None:
+        """``branch``'s host copy is being dropped: stop copying it back (slots freed, nothing inserted)."""
+        if self.restoring and branch in self.restoring:
+            self.cancel(self.restoring[branch], "dropped")
+        flight = self.prefetches.pop(branch, None) if self.prefetches else None
+        if flight is not None:
+            self._abandon(flight, "dropped")
+
     def finish(self, rid) -> int:
         """Join ``rid``'s copy and insert what it loaded; returns the tokens that became
         device-resident past the old match (0 when the copy failed or the tree changed meanwhile)."""
         flight = self.by_rid.pop(rid)
+        if isinstance(flight, _Restoring):
+            return self._finish_restore(flight)
         load, spill = flight.load, self.cache.spill
         failure = self._join(flight)
         spill.loading.difference_update(load.chain)
@@ -113,6 +197,13 @@ class AsyncLoads:
         flight = self.by_rid.pop(rid, None)
         if flight is None:
             return
+        if isinstance(flight, _Restoring):
+            branch = flight.prepared.branch
+            self.restoring.pop(branch, None)
+            self._abandon(flight, reason)
+            if reason != "dropped":  # its request ran or left without it; the pause ends, recomputed
+                self.cache.pauses.end_resume(branch, abandoned=True)
+            return
         self._join(flight)  # the worker may still be writing the slots
         spill = self.cache.spill
         spill.loading.difference_update(flight.load.chain)
@@ -124,17 +215,61 @@ class AsyncLoads:
         """The tree is being rebuilt empty: every load in flight goes (before the pools are cleared)."""
         for rid in list(self.by_rid):
             self.cancel(rid, "reset")
+        for branch in list(self.prefetches):
+            self._abandon(self.prefetches.pop(branch), "reset")
 
     def stats(self) -> dict:
-        return {"enabled": self.enabled, "in_flight": len(self.by_rid), **self.counters}
+        return {"enabled": self.enabled, "in_flight": len(self.by_rid), "prefetches_in_flight": len(self.prefetches),
+                **self.counters}
 
-    def _join(self, flight: _InFlight) -> BaseException | None:
+    def _finish_restore(self, flight: _Restoring) -> int:
+        branch = flight.prepared.branch
+        self.restoring.pop(branch, None)
+        restored = self._insert(flight)
+        self.cache.pauses.end_resume(branch)
+        self.counters["restores_finished"] += 1
+        return restored
+
+    def _land_prefetch(self, flight: _Restoring) -> int:
+        restored = self._insert(flight)
+        self.cache.pauses.prefetch_landed(flight.prepared.branch, restored, flight.seconds)
+        self.counters["prefetches_landed"] += 1
+        return restored
+
+    def _insert(self, flight: _Restoring) -> int:
+        """Join a restore's copy, count it, and insert it (``HostCopies.finish_restore``, which agrees on
+        the outcome); returns the tokens restored."""
+        prepared, cache = flight.prepared, self.cache
+        failure = self._join(flight)
+        copies, host = cache.copies, cache.pauses.host
+        if failure is None:
+            host.count_promote(prepared.entry, prepared.first, flight.seconds)
+        elif isinstance(failure, TransferError):
+            host.promotes.failures += 1
+        # The prefix was held, so it is still there; only a suffix someone else inserted meanwhile (a
+        # request with the same tokens) changes the tree under the copy: then restore as things are now.
+        if cache.resident_prefix_len(prepared.key) != prepared.have:
+            copies.abandon_restore(prepared)
+            self.counters["abandoned"]["changed"] += 1
+            return copies.restore(prepared.branch, keep_host=prepared.keep_host)
+        return copies.finish_restore(prepared, failure)
+
+    def _abandon(self, flight: _Restoring, reason: str) -> None:
+        self._join(flight)  # the worker may still be writing the slots
+        self.cache.copies.abandon_restore(flight.prepared)
+        self.counters["abandoned"][reason] += 1
+
+    def _join(self, flight) -> BaseException | None:
         if not flight.future.done():
             self.counters["joined_running"] += 1
         try:
-            flight.load.seconds = flight.future.result()
+            seconds = flight.future.result()
         except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: recomputed
             return exc
+        if isinstance(flight, _Restoring):
+            flight.seconds = seconds
+        else:
+            flight.load.seconds = seconds
         return None
 
     def _free(self, load: PreparedLoad) -> None:

@@ -185,11 +185,13 @@ class AgentRadixCache(UnifiedRadixCache):
         self.eviction_key = self._lifecycle_key if key is None else key
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
-        state, anchors = node.agent, self.copies.anchors
+        copies = self.copies
+        state, anchors, leaving = node.agent, copies.anchors, copies.leaving
         owner = state.owner
         return device_rank(self._device_values, state, session_ref, base_priority, owner in self.pauses.kept,
                            bool(anchors) and node in anchors,
-                           owner is not None and not state.terminated and self.over_quota(owner))
+                           owner is not None and not state.terminated and self.over_quota(owner),
+                           leaving=bool(leaving) and node in leaving)
 
     def branch_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is
@@ -299,14 +301,17 @@ class AgentRadixCache(UnifiedRadixCache):
                 self.ranking_deferred += 1
             return super().match_prefix(params)
         restores = getattr(req, "agentcache_restores", None)
+        loads = self.loads
         if restores is not None:  # what found no room stays pending for the request's next match
+            issued_before = loads.pending(req.rid)  # a load-back from its previous match (finished below)
             try:
-                req.agentcache_restores = self.pauses.restore_for_request(*restores)
+                req.agentcache_restores = self.pauses.restore_for_request(*restores, rid=req.rid)
             except Exception:  # noqa: BLE001 - a broken restore must not take the scheduler down
                 logger.exception("agentcache: restoring host copies for %s failed; recomputing", req.rid)
                 req.agentcache_restores = None
                 self.pauses.abandon_restores(*restores)
-        loads = self.loads
+            if not issued_before and loads.pending(req.rid):  # its copy went to a worker: skipped, finished next
+                return super().match_prefix(params)
         if loads.pending(req.rid):  # issued at its previous admission match: insert it, then match
             try:
                 loads.finish(req.rid)
@@ -658,6 +663,7 @@ class AgentRadixCache(UnifiedRadixCache):
                 continue
             if anchors and node in anchors:  # as in stock eviction (_evict_device_leaf)
                 self.copies.spill_anchor(node)
+            self.copies.before_free(node)
             parent = node.parent
             result = core.evict_device_leaf(node.id, is_write_back=False)
             self._apply_eviction_result(result)
@@ -671,8 +677,10 @@ class AgentRadixCache(UnifiedRadixCache):
         first spilled into them; with the node spill on, the leaf itself is copied to host (an over-quota
         branch's leaf only into free host room: it cannot crowd other branches off the host tier either;
         ``quota_trimmed_tokens`` counts what went without a copy)."""
-        anchors, spill = self.copies.anchors, self.spill
+        copies, spill = self.copies, self.spill
+        anchors = copies.anchors
         node = self.tree_core.node_by_id(node_id)
+        copies.before_free(node)  # an offload's copy in flight may read its slots: wait for it
         state = node.agent
         trimmed = state.owner is not None and not state.terminated and self.over_quota(state.owner)
         if not anchors and not spill.enabled:
@@ -681,6 +689,8 @@ class AgentRadixCache(UnifiedRadixCache):
             return super()._evict_device_leaf(node_id, tracker)
         if anchors and node in anchors:
             self.copies.spill_anchor(node)
+        if copies.leaving and node in copies.leaving:  # its offload's copy holds it already
+            return super()._evict_device_leaf(node_id, tracker)
         if not spill.spill(node, low_value=trimmed) and trimmed:
             self.quota_trimmed_tokens += len(node.key)
         try:
@@ -740,6 +750,8 @@ class AgentRadixCache(UnifiedRadixCache):
         # Runs every scheduler step: the stock method is called directly (cheaper than super()) and
         # an idle step costs two attribute tests.
         _STOCK_FLUSH(self)
+        if self.copies.offloading or self.loads.prefetches:  # copies made beside this step's batch land now
+            self.pauses.land_copies(wait=self.copies.step_waits)
         if self.tree_core.reclaim_due:
             self.reclaim_terminated()
         if self.copy_ahead.enabled:

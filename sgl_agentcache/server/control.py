@@ -76,6 +76,7 @@ def _stats(scheduler, args: dict) -> dict:
     from sgl_agentcache.server.metrics import paused_tokens_by_priority, queue_by_priority
 
     cache = _agent_cache(scheduler)
+    cache.pauses.land_copies()  # what the next step would do anyway: stats never show a copy half-landed
     if args.get("namespace"):
         return cache.namespace_stats(args["namespace"])
     by_priority = {f"{cls}/{placement}": n for (cls, placement), n in paused_tokens_by_priority(cache.pauses).items()}
@@ -92,7 +93,9 @@ def _purge(scheduler, args: dict) -> dict:
 @op("check")
 def _check(scheduler, args: dict) -> dict:
     idle = _scheduler_idle(scheduler)
-    return _agent_cache(scheduler).check_integrity(idle=idle).to_dict() | {"idle": idle}
+    cache = _agent_cache(scheduler)
+    cache.pauses.land_copies()  # an idle server runs no step to land them; the check would see them pending
+    return cache.check_integrity(idle=idle).to_dict() | {"idle": idle}
 
 
 @op("branch_close")

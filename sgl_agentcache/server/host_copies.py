@@ -12,6 +12,13 @@ such a node).
 - :meth:`HostCopies.offload` copies the suffix to the host tier and frees its device slots; a few
   small nodes above it (usually other branches') are copied too but stay (the lead-in, see
   ``_lead_in``). A full host tier or a failed copy returns None (the caller discards instead).
+  With ``AGENTCACHE_ASYNC_OFFLOAD`` (default on CPU pools) the copy runs on a worker thread (on CUDA,
+  its own stream): the pause returns at once, the host room is reserved, and the suffix stays in the
+  tree -- ranked first for eviction (``leaving``) -- until the copy *lands* at the scheduler's next
+  step (:meth:`HostCopies.land`, from ``flush_pending_backups``). Eviction of a node the copy reads
+  first joins it (:meth:`HostCopies.before_free`); a branch that continues before its copy landed
+  keeps its device KV and the copy is dropped (:meth:`HostCopies.cancel_offload`); a failed copy is
+  agreed on when it lands and the branch discarded then.
 - The node a copy hangs from (its *anchor*) ranks like a stable prefix. When stock eviction takes it
   anyway (every lower-ranked leaf is gone), its KV is first copied in front of each copy hanging from
   it (:meth:`HostCopies.spill_anchor`), which then hangs from the node's parent: under pressure a copy
@@ -25,13 +32,16 @@ such a node).
   the ranks' trees never diverge.
 
 Counts go into the pause book's ``counters`` (one stats block: ``restores``, ``restore_failures``,
-``offload_fallbacks``, ``anchor_spill*``...).
+``offload_fallbacks``, ``anchor_spill*``, ``offloads_async``, ``offload_cancelled``...); how often a
+copy in flight had to be waited for is :attr:`HostCopies.joined_running` (a rank's pace: stats only).
 """
 
 from __future__ import annotations
 
 import logging
 from array import array
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -39,13 +49,45 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_agentcache.lifecycle import BranchKey, NodeClass
-from sgl_agentcache.server.host_tier import HostTier
+from sgl_agentcache.server.host_tier import HostEntry, HostTier
+from sgl_agentcache.server.transfer_worker import TransferWorker, wanted
 
 logger = logging.getLogger(__name__)
 FULL = ComponentType.FULL
 
 #: Tokens of other branches' small nodes copied just above an offloaded suffix (see HostCopies._lead_in).
 LEAD_IN_TOKENS = 64
+#: ``auto`` (default: on for CPU pools, off for CUDA ones until the side-stream path has run on a GPU),
+#: ``1``, ``0``: an offload's device->host copy runs on a worker thread (see HostCopies.offload).
+ASYNC_OFFLOAD_ENV = "AGENTCACHE_ASYNC_OFFLOAD"
+
+
+@dataclass
+class _Offloading:
+    """An offload whose copy a worker is making: the suffix stays in the tree until it lands."""
+
+    entry: HostEntry  # reserved on the host tier, its KV still to come
+    chain: list  # the suffix to free when it lands
+    read: list  # every node whose slots the copy reads (the lead-in too)
+    tokens: int  # the copy's size (the lead-in too)
+    future: Future  # -> (kv, seconds)
+    outcome: tuple | BaseException | None = None  # set once joined
+
+
+@dataclass
+class PreparedRestore:
+    """A restore with its slots allocated, its copy still to be made (``HostCopies.prepare_restore``)."""
+
+    branch: BranchKey
+    entry: HostEntry
+    key: RadixKey
+    last_node: object  # the device node the restored suffix continues (its path is the prefix)
+    have: int  # device-resident prefix tokens when prepared
+    first: int  # the first segment of ``entry`` to copy back
+    begin: int  # its first token
+    new: torch.Tensor  # the slots the copy fills, ``entry.end - begin`` of them
+    keep_host: bool
+    lock: object = None  # the prefix's lock while the copy is made across steps (``hold``)
 
 
 def _key_tokens(key) -> array:
@@ -61,6 +103,21 @@ class HostCopies:
         self.counters = counters  # the pause book's: one stats block
         # Device nodes host copies hang from -> how many copies (they rank like a stable prefix).
         self.anchors: dict = {}
+        device = getattr(cache.token_to_kv_pool_allocator, "device", "cpu")
+        self.async_offload = wanted(ASYNC_OFFLOAD_ENV, device)
+        self._worker = TransferWorker(device, "agentcache-offload")  # its thread starts at the first copy
+        self.offloading: dict[BranchKey, _Offloading] = {}  # offloads whose copy has not landed
+        self.leaving: set = set()  # their suffixes' nodes (eviction takes them first: see cache._lifecycle_key)
+        self._read_by: dict = {}  # node -> the branch whose offload copy reads its slots
+        # Whether the scheduler's step waits for copies in flight (the offline driver: a step there
+        # stands for as long as any copy takes, so replays do not depend on the worker's pace) or
+        # lands only those already made (the server: the step never blocks on a copy).
+        self.step_waits = False
+        counters.setdefault("offloads_async", 0)
+        counters.setdefault("offload_cancelled", 0)
+        # Copies eviction, a resume or a step had to wait for: this rank's pace, so stats only (every
+        # decision reads the counters above, which are the same on every rank).
+        self.joined_running = 0
 
     def tip(self, branch: BranchKey):
         """The deepest device-resident node ``branch`` owns (its path's end), or None."""
@@ -102,6 +159,11 @@ class HostCopies:
         """Delete ``branch``'s host copy and release its anchor; returns the tokens freed on host. An
         anchor whose own branch ended was kept only for this copy: it is reclaimed now if nothing else
         holds it (see ``AgentRadixCache.reclaim_terminated``)."""
+        if branch in self.offloading:  # its copy is not needed any more: the suffix stays as it is
+            self._finish_copy(self.offloading[branch])
+            self._forget_offloading(branch)
+            self.counters["offload_cancelled"] += 1
+        self.cache.loads.drop_branch(branch)  # a worker copying it back stops (slots freed, nothing inserted)
         entry = self.host.entries.get(branch)
         freed = self.host.delete(branch)
         if entry is not None and entry.anchor is not None:
@@ -204,7 +266,15 @@ class HostCopies:
     def offload(self, branch: BranchKey, evict: bool = True) -> int | None:
         """Copy the movable suffix (with its lead-in, see :meth:`_lead_in`) to host and (``evict``) free
         the suffix's device slots; returns the tokens freed (or copied, without ``evict``), None if it
-        could not be stored."""
+        could not be stored.
+
+        With ``AGENTCACHE_ASYNC_OFFLOAD`` (and ``evict``) the copy is made by a worker thread (on CUDA,
+        on its own stream) and the call returns at once, the tokens it *will* free: the host entry is
+        reserved, the suffix stays in the tree (ranked first for eviction) and is freed when the copy
+        lands (:meth:`land`: at the scheduler's next step, or before anything else touches the branch).
+        Eviction that takes a node the copy reads joins the copy first (:meth:`before_free`), so no slot
+        is reused under it. A copy that fails is agreed on when it lands, and the branch is discarded
+        then, as a failed synchronous copy would make it."""
         chain = self.movable_suffix(branch)
         if not chain:
             return 0
@@ -222,6 +292,10 @@ class HostCopies:
         indices = torch.cat([n.component_data[FULL].value for n in copied])
         key = chain[-1].key
         self.drop(branch)
+        moved = sum(len(n.key) for n in chain)
+        if evict and self.async_offload:
+            return self._offload_async(branch, chain, copied, (tokens, key.extra_key, key.cache_salt, start, segments),
+                                       indices, moved)
         failure = None
         try:
             entry = self.host.demote(branch, tokens, key.extra_key, key.cache_salt, start, segments, indices)
@@ -230,9 +304,7 @@ class HostCopies:
         if not self.cache.agree(failure is None):  # failed here or on another rank: every rank discards
             if entry is not None:
                 self.host.delete(branch)
-            logger.warning("agentcache: offload of %s/%s failed%s, discarding instead: %s", branch.session,
-                           branch.branch, "" if failure is not None else " on another rank", failure)
-            self.counters["offload_fallbacks"]["transfer_failed"] += 1
+            self._log_failure(branch, failure)
             return None
         if entry is None:
             self.counters["offload_fallbacks"]["host_full"] += 1
@@ -240,9 +312,105 @@ class HostCopies:
         # The anchor (protected while the copy exists) is the node the suffix hangs from, not the top
         # of the lead-in: the lead-in is insurance against losing it, not a reason to protect more.
         self._hang(entry, chain[0].parent)
-        moved = sum(len(n.key) for n in chain)
         if not evict:
             return moved
+        return self._free_suffix(branch, chain, moved)
+
+    def _offload_async(self, branch: BranchKey, chain: list, copied: list, where: tuple, indices,
+                       moved: int) -> int | None:
+        entry = self.host.reserve(branch, *where, len(indices))
+        if entry is None:
+            self.counters["offload_fallbacks"]["host_full"] += 1
+            return None
+        self._hang(entry, chain[0].parent)
+        flight = _Offloading(entry, chain, copied, len(indices),
+                             self._worker.submit(self.host.copy_segments, entry, indices))
+        self.offloading[branch] = flight
+        self.leaving.update(chain)
+        for node in copied:
+            self._read_by[node] = branch
+        self.counters["offloads_async"] += 1
+        return moved
+
+    def before_free(self, node) -> None:
+        """``node``'s device slots are about to be freed (eviction): if an offload's copy reads them,
+        wait for it. Only joins -- the tree is not touched -- so it is safe inside stock eviction."""
+        branch = self._read_by.get(node) if self._read_by else None
+        if branch is not None:
+            self._finish_copy(self.offloading[branch])
+
+    def land(self, branch: BranchKey | None = None, *, evict: bool = True, wait: bool = True) -> list[BranchKey]:
+        """Finish the offloads in flight (all, or ``branch``'s): join each copy, store it, and free the
+        suffix (without ``evict`` it stays on the device too, as after a write-through copy). Returns
+        the branches whose copy failed (here or on another rank): their host entry is gone and the
+        caller discards them. Runs at points in the message order, the same on every rank.
+
+        Without ``wait`` (a busy scheduler's step) only copies already made on every TP rank land, in
+        submission order (the worker makes them in that order), so the step never waits for a copy;
+        whether one is made is agreed on like an outcome, so every rank lands the same ones."""
+        failed = []
+        for b in ([branch] if branch is not None else list(self.offloading)):
+            flight = self.offloading.get(b)
+            if flight is None:
+                continue
+            if not wait and not self.cache.agreement(flight.outcome is not None or flight.future.done()):
+                break  # the rest were submitted later: not made yet either
+            outcome = self._finish_copy(flight)
+            self._forget_offloading(b)
+            ok = not isinstance(outcome, BaseException)
+            if not self.cache.agree(ok):
+                self.drop(b)
+                self._log_failure(b, None if ok else outcome)
+                failed.append(b)
+                continue
+            self.host.fill(flight.entry, outcome[0])
+            if evict:
+                core = self.cache.tree_core
+                resident = sum(len(n.key) for n in flight.chain
+                               if core.attached(n) and n.component_data[FULL].value is not None)
+                self._free_suffix(b, flight.chain, resident)
+        return failed
+
+    def cancel_offload(self, branch: BranchKey) -> bool:
+        """The paused ``branch`` continues before its offload landed. Returns True when the device still
+        holds its whole suffix: the copy is dropped, the branch is as if never offloaded. Otherwise
+        (eviction took part of the suffix meanwhile) the copy is stored, for a restore to bring back
+        what the device lost, and False is returned (also when the copy failed: nothing is on host)."""
+        flight = self.offloading.get(branch)
+        if flight is None:
+            return False
+        core = self.cache.tree_core
+        whole = all(core.attached(n) and n.component_data[FULL].value is not None for n in flight.chain)
+        if whole:
+            self.drop(branch)
+            return True
+        self.land(branch, evict=False)
+        return False
+
+    def _finish_copy(self, flight: _Offloading):
+        if flight.outcome is None:
+            if not flight.future.done():
+                self.joined_running += 1
+            try:
+                flight.outcome = flight.future.result()
+            except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: agreed on, recomputed
+                flight.outcome = exc
+            self.host.count_copy(flight.outcome, flight.tokens)  # made, whether it is stored or not
+        return flight.outcome
+
+    def _forget_offloading(self, branch: BranchKey) -> None:
+        flight = self.offloading.pop(branch)
+        self.leaving.difference_update(flight.chain)
+        for node in flight.read:
+            if self._read_by.get(node) == branch:
+                del self._read_by[node]
+
+    def _log_failure(self, branch: BranchKey, failure) -> None:
+        logger.warning("agentcache: offload of %s/%s failed%s, discarding instead: %s", branch.session,
+                       branch.branch, "" if failure is not None else " on another rank", failure)
+        self.counters["offload_fallbacks"]["transfer_failed"] += 1
+
+    def _free_suffix(self, branch: BranchKey, chain: list, moved: int) -> int:
         freed = self.cache._evict_nodes(chain, budget=None)
         if freed != moved:
             # Some of the suffix stayed on the device (a node locked or kept since the copy, e.g. by a
@@ -254,17 +422,39 @@ class HostCopies:
         return freed
 
     def restore(self, branch: BranchKey, keep_host: bool = False, _chain: frozenset = frozenset(),
-                 defer: bool = False) -> int | None:
+                defer: bool = False) -> int | None:
         """Bring ``branch``'s host copy back into the tree; returns tokens restored (0: recompute).
         The host copy is deleted, unless ``keep_host`` (a speculative or fork-driven restore keeps it
         until the branch resumes, whether it succeeded or not: if the device copy is evicted again
         meanwhile, or the prefix or the room was missing this time, a later restore can still serve).
         With ``defer`` (a restore for a waiting request), a lack of room is not a failure yet: the copy
-        stays and None says "try again at the request's next match"."""
+        stays and None says "try again at the request's next match". The copy runs on this thread;
+        :meth:`prepare_restore` and :meth:`finish_restore` are the two halves of one made elsewhere."""
+        prepared = self.prepare_restore(branch, keep_host, _chain, defer)
+        if not isinstance(prepared, PreparedRestore):
+            return prepared
+        failure = None
+        try:
+            self.host.promote(prepared.entry, prepared.first, prepared.new)
+        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
+            failure = exc
+        return self.finish_restore(prepared, failure)
+
+    def prepare_restore(self, branch: BranchKey, keep_host: bool = False, _chain: frozenset = frozenset(),
+                        defer: bool = False, hold: bool = False) -> PreparedRestore | int | None:
+        """The first half of :meth:`restore`: find the prefix the copy hangs from, make room and
+        allocate the slots. Returns what :meth:`restore` would (an int, or None with ``defer``) when
+        there is nothing to copy, else the :class:`PreparedRestore` whose copy is still to be made
+        (``HostTier.promote``, or ``copy_back`` on a worker) before :meth:`finish_restore`. ``hold``:
+        the prefix stays locked until then (a copy made across scheduler steps)."""
+        if branch in self.offloading:  # its callers land it first; a stray call must not read an unfilled copy
+            self.land(branch, evict=False)
+        loads = self.cache.loads
+        loads.settle(branch)  # a prefetch in flight lands first (this restore may then find it all resident)
         entry = self.host.entries.get(branch)
-        if entry is None:
+        if entry is None or loads.copying_back(branch):  # gone, or being copied back for its request already
             return 0
-        cache, core = self.cache, self.cache.tree_core
+        cache = self.cache
         key = RadixKey(entry.tokens, entry.extra_key, cache_salt=entry.cache_salt)
         match = cache.match_prefix(MatchPrefixParams(key=key))
         have = match.device_prefix_len
@@ -301,7 +491,8 @@ class HostCopies:
                 cache.evict(EvictParams(num_tokens=short))
             new = allocator.alloc(n) if allocator.available_size() >= n else None
         finally:
-            cache.unlock(lock)
+            if not hold or new is None:
+                cache.unlock(lock)
         if new is None and defer:
             self.counters["restores_deferred"] += 1
             return None
@@ -312,49 +503,70 @@ class HostCopies:
             if not keep_host:
                 self.drop(branch)
             return 0
-        failure = None
+        return PreparedRestore(branch, entry, key, match.last_device_node, have, first, begin, new, keep_host,
+                               lock if hold else None)
+
+    def finish_restore(self, prepared: PreparedRestore, failure: BaseException | None) -> int:
+        """The second half of :meth:`restore`: agree on the copy's outcome (``failure``: None when it
+        worked here), insert the restored nodes with their classes and owner, and drop the host copy
+        unless kept. Returns the tokens restored (0: the request recomputes; no slot leaks)."""
+        p, cache, core = prepared, self.cache, self.cache.tree_core
+        branch, entry, key, new, begin = p.branch, p.entry, p.key, p.new, p.begin
+        allocator = cache.token_to_kv_pool_allocator
         try:
-            self.host.promote(entry, first, new)
-        except Exception as exc:  # noqa: BLE001 - a TransferError, or anything else: never the scheduler's
-            failure = exc
-        if not self.cache.agree(failure is None):  # failed here or on another rank: every rank recomputes
-            logger.warning("agentcache: restore of %s/%s failed%s, recomputing: %s", branch.session, branch.branch,
-                           "" if failure is not None else " on another rank", failure)
-            allocator.free(new)
-            self.counters["restore_failures"]["transfer_failed"] += 1
-            self.drop(branch)
-            return 0
-        prefix = cache.path_device_indices(match.last_device_node)[:begin]
-        core.insert_state = entry.state_at(begin)
-        try:
-            result = cache.insert(InsertParams(key=key, value=torch.cat([prefix.to(new.dtype), new]),
-                                               prev_prefix_len=begin))
-        except Exception:  # noqa: BLE001 - the copy is lost, the request recomputes, no slot leaks
-            logger.exception("agentcache: re-inserting %s/%s's restored KV failed; recomputing", branch.session,
-                             branch.branch)
-            cache.free_unheld(key, new)
-            core.take_fresh()
-            self.counters["restore_failures"]["error"] += 1
-            self.drop(branch)
-            return 0
+            if not self.cache.agree(failure is None):  # failed here or on another rank: every rank recomputes
+                logger.warning("agentcache: restore of %s/%s failed%s, recomputing: %s", branch.session,
+                               branch.branch, "" if failure is not None else " on another rank", failure)
+                allocator.free(new)
+                self.counters["restore_failures"]["transfer_failed"] += 1
+                self.drop(branch)
+                return 0
+            prefix = cache.path_device_indices(p.last_node)[:begin]
+            core.insert_state = entry.state_at(begin)
+            try:
+                result = cache.insert(InsertParams(key=key, value=torch.cat([prefix.to(new.dtype), new]),
+                                                   prev_prefix_len=begin))
+            except Exception:  # noqa: BLE001 - the copy is lost, the request recomputes, no slot leaks
+                logger.exception("agentcache: re-inserting %s/%s's restored KV failed; recomputing", branch.session,
+                                 branch.branch)
+                cache.free_unheld(key, new)
+                core.take_fresh()
+                self.counters["restore_failures"]["error"] += 1
+                self.drop(branch)
+                return 0
+            finally:
+                core.insert_state = None
         finally:
-            core.insert_state = None
+            if p.lock is not None:
+                cache.unlock(p.lock)
         fresh = core.take_fresh()
         bounds = [s for s, _ in entry.segments[1:]]
         cache.classify_created(result.last_device_node, fresh, bounds,
                                lambda node, start: core.set_state(node, entry.state_at(start)))
-        if not keep_host:
+        if not p.keep_host:
             self.drop(branch)
         restored = entry.end - max(result.prefix_len, begin)
         self.counters["restores"] += 1
         self.counters["restored_tokens"] += restored
         return restored
 
+    def abandon_restore(self, prepared: PreparedRestore) -> None:
+        """A prepared restore whose copy will not be inserted (its request left, the copy was dropped, a
+        reset): the slots are freed and the prefix unlocked; the host copy is left to the caller. The
+        caller joined the copy first (a worker may still be writing the slots)."""
+        self.cache.token_to_kv_pool_allocator.free(prepared.new)
+        if prepared.lock is not None:
+            self.cache.unlock(prepared.lock)
+            prepared.lock = None
+
     def reset(self) -> int:
         """The tree was rebuilt empty: every host copy and anchor referred to it. Returns host tokens freed."""
+        for branch in list(self.offloading):  # the worker may still read slots about to be freed
+            self._finish_copy(self.offloading[branch])
+            self._forget_offloading(branch)
         freed = sum(self.host.delete(branch) for branch in list(self.host.entries))
         self.anchors.clear()
         return freed
 
 
-__all__ = ["LEAD_IN_TOKENS", "HostCopies"]
+__all__ = ["ASYNC_OFFLOAD_ENV", "LEAD_IN_TOKENS", "HostCopies", "PreparedRestore"]

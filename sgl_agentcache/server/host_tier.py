@@ -143,30 +143,70 @@ class HostTier:
                segments: Sequence[tuple[int, NodeState]], device_indices) -> HostEntry | None:
         """Copy ``device_indices`` (the KV of ``tokens[start:]``) to host, one copy per segment (so a
         restore can skip segments the device still holds). None when the tier is full; raises
-        :class:`TransferError` when the copy fails (nothing is stored then)."""
+        :class:`TransferError` when the copy fails (nothing is stored then). The copy on the calling
+        thread: :meth:`reserve`, :meth:`copy_segments`, :meth:`count_copy` and :meth:`fill` are its
+        steps, for a copy made by a worker thread (``HostCopies``' asynchronous offload)."""
+        n = len(device_indices)
+        entry = self.reserve(branch, tokens, extra_key, cache_salt, start, segments, n)
+        if entry is None:
+            return None
+        try:
+            kv, seconds = self.copy_segments(entry, device_indices)
+        except Exception as exc:  # noqa: BLE001 - nothing stays reserved; the caller falls back
+            self.delete(branch)
+            self.count_copy(exc, n)
+            raise
+        self.count_copy((kv, seconds), n)
+        self.fill(entry, kv)
+        return entry
+
+    def reserve(self, branch: BranchKey, tokens, extra_key, cache_salt, start: int,
+                segments: Sequence[tuple[int, NodeState]], n_indices: int) -> HostEntry | None:
+        """Make ``branch``'s entry for ``tokens[start:]`` and count its tokens against the capacity, its
+        KV still to come (:meth:`fill`); None when the tier is full (dropping spilled nodes for room
+        first). Until filled, an entry must not be promoted."""
         n = len(tokens) - start
-        if n <= 0 or len(device_indices) != n:
-            raise ValueError(f"demote: {len(device_indices)} indices for {n} tokens")
+        if n <= 0 or n_indices != n:
+            raise ValueError(f"demote: {n_indices} indices for {n} tokens")
         if branch in self.entries:
             self.delete(branch)
         if not self.has_room(n):
             return None
+        entry = HostEntry(branch, tokens, extra_key, cache_salt, start, list(segments), [], 0)
+        self.entries[branch] = entry
+        self.used_tokens += n
+        return entry
+
+    def copy_segments(self, entry: HostEntry, device_indices) -> tuple[list, float]:
+        """The device->host copy of a reserved entry, one copy per segment: ``(kv, seconds)``. Touches
+        no bookkeeping (a worker thread may run it; its caller counts). Raises :class:`TransferError`."""
         self._maybe_fail("demote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("demote")
-            bounds = [off - start for off, _ in segments] + [n]
+            bounds = [off - entry.start for off, _ in entry.segments] + [len(device_indices)]
             kv = [self.allocator.get_cpu_copy(device_indices[a:b]) for a, b in zip(bounds, bounds[1:])]
         except Exception as exc:  # noqa: BLE001 - any copy failure degrades to recompute
-            self.demotes.failures += 1
-            raise TransferError(f"device->host copy of {n} tokens failed: {exc}") from exc
+            raise TransferError(f"device->host copy of {len(device_indices)} tokens failed: {exc}") from exc
+        return kv, time.perf_counter() - began
+
+    def count_copy(self, outcome, tokens: int) -> None:
+        """Count one :meth:`copy_segments` of ``tokens`` in :attr:`demotes`: its ``(kv, seconds)``, or
+        the exception it raised. Every copy made counts, stored or not (a cancelled offload's bytes
+        crossed the link too)."""
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, TransferError):
+                self.demotes.failures += 1
+            return
+        kv, seconds = outcome
+        self.demotes.add(tokens, nbytes_of(kv), seconds)
+
+    def fill(self, entry: HostEntry, kv: list) -> None:
+        """A reserved entry's KV arrived (after any segments :meth:`prepend` put in front meanwhile)."""
         nbytes = nbytes_of(kv)
-        self.demotes.add(n, nbytes, time.perf_counter() - began)
-        entry = HostEntry(branch, tokens, extra_key, cache_salt, start, list(segments), kv, nbytes)
-        self.entries[branch] = entry
-        self.used_tokens += n
+        entry.kv.extend(kv)
+        entry.nbytes += nbytes
         self.used_bytes += nbytes
-        return entry
 
     def copy_out(self, device_indices):
         """One device->host copy of ``device_indices`` (for :meth:`prepend`, which may hand the same
@@ -243,22 +283,33 @@ class HostTier:
         """Write ``entry``'s segments from index ``first`` on into ``device_indices`` (freshly
         allocated by the caller, one slot per token from ``segments[first]`` to the end); raises
         :class:`TransferError` on failure. The entry stays until :meth:`delete`."""
+        try:
+            seconds = self.copy_back(entry, first, device_indices)
+        except TransferError:
+            self.promotes.failures += 1
+            raise
+        self.count_promote(entry, first, seconds)
+
+    def copy_back(self, entry: HostEntry, first: int, device_indices) -> float:
+        """:meth:`promote` without the counting, for a worker thread (its caller counts with
+        :meth:`count_promote` on the scheduler thread); returns the seconds it took."""
         begin = entry.segments[first][0]
         if len(device_indices) != entry.end - begin:
             raise ValueError(f"promote: {len(device_indices)} indices for {entry.end - begin} tokens")
         self._maybe_fail("promote", wrapped=False)
         began = time.perf_counter()
-        nbytes = 0
         try:
             self._maybe_fail("promote")
             for i in range(first, len(entry.segments)):
                 a, b = entry.segments[i][0] - begin, entry.segment_end(i) - begin
                 self.allocator.load_cpu_copy(entry.kv[i], device_indices[a:b])
-                nbytes += nbytes_of(entry.kv[i])
         except Exception as exc:  # noqa: BLE001
-            self.promotes.failures += 1
             raise TransferError(f"host->device copy of {entry.end - begin} tokens failed: {exc}") from exc
-        self.promotes.add(entry.end - begin, nbytes, time.perf_counter() - began)
+        return time.perf_counter() - began
+
+    def count_promote(self, entry: HostEntry, first: int, seconds: float) -> None:
+        """Count one :meth:`copy_back` of ``entry`` from segment ``first`` in :attr:`promotes`."""
+        self.promotes.add(entry.end - entry.segments[first][0], nbytes_of(entry.kv[first:]), seconds)
 
     def delete(self, branch: BranchKey) -> int:
         """Drop ``branch``'s host copy; returns the tokens freed."""

@@ -295,6 +295,9 @@ class OfflineDriver:
         self.cache = cache
         self.context = context_of(cache)
         self.live: dict[str, OfflineReq] = {}
+        copies = getattr(cache, "copies", None)  # the stock cache has none
+        if copies is not None:  # a step here stands for as long as any offload's copy takes (deterministic)
+            copies.step_waits = True
 
     # ---- views ----
 

@@ -53,7 +53,7 @@ from sgl_agentcache.lifecycle import BranchKey
 from sgl_agentcache.policy.distributions import LatencyDistribution
 from sgl_agentcache.policy.pause import Incumbent, PauseAction, PauseDecision, PauseInputs, Placement, PolicyConfig, decide
 from sgl_agentcache.policy.retention import displaced_host_seconds, prefetch_worthwhile
-from sgl_agentcache.server.host_copies import HostCopies
+from sgl_agentcache.server.host_copies import HostCopies, PreparedRestore
 from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 
 logger = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class PauseBook:
         """Carry out ``action``; returns the action actually applied (after caps and fallbacks) and
         the tokens it concerned."""
         if action is PauseAction.KEEP:
-            if placement is Placement.HOST:
+            if placement is Placement.HOST and not self.copies.cancel_offload(branch):
                 if self.copies.restore(branch) == 0:
                     return self._apply(branch, PauseAction.DISCARD, Placement.NONE)
             tokens = sum(len(n.key) for n in self.copies.movable_suffix(branch))
@@ -376,11 +376,31 @@ class PauseBook:
             self.counters["released_tokens"] += freed
         return action, freed
 
+    def land_copies(self, *, wait: bool = True) -> None:
+        """The scheduler's step (or an idle poll, a stats or check call): offloads and prefetches whose
+        copy a worker made land (without ``wait``, only copies already made on every rank)."""
+        if self.copies.offloading:
+            self.land_offloads(wait=wait)
+        loads = self.cache.loads
+        if loads.prefetches:
+            loads.land_prefetches(wait=wait)
+
+    def land_offloads(self, branch: BranchKey | None = None, *, wait: bool = True) -> None:
+        """Offloads whose copy a worker made land (``HostCopies.land``: all, or ``branch``'s; without
+        ``wait``, only copies already made); a branch whose copy failed is discarded, as a failed
+        synchronous offload is."""
+        for branch in self.copies.land(branch, wait=wait):
+            record = self.records.get(branch)
+            if record is not None and record.placement is Placement.HOST:
+                record.placement = Placement.NONE
+            self.copies.discard(branch)
+
     # ---- resume, prefetch, deadline, close ----
 
     def resume(self, branch: BranchKey, restore: bool = True) -> dict:
         """The tool returned (route) or the branch's next request arrived: unpin or restore. Without
         ``restore`` the host copy stays for :meth:`restore_for_request` (the request's own match)."""
+        self.cache.loads.settle(branch)  # a prefetch in flight lands before it is judged below
         record = self.records.pop(branch, None)
         if record is None:
             return {"resumed": False, "reason": "branch is not paused"}
@@ -390,7 +410,9 @@ class PauseBook:
         prefetched = record.prefetched_tokens
         if prefetched:  # judged before the restore below can bring back what was evicted again
             self._prefetch_outcome(branch, record)
-        restored = self.copies.restore(branch) if restore and record.placement is Placement.HOST else 0
+        restored = 0
+        if record.placement is Placement.HOST and not self.copies.cancel_offload(branch) and restore:
+            restored = self.copies.restore(branch)
         return {"resumed": True, "placement": record.placement.value, "restored_tokens": restored,
                 "prefetched_tokens": prefetched}
 
@@ -400,7 +422,10 @@ class PauseBook:
         request can wait in the queue for many steps, and KV restored at arrival would sit unlocked
         meanwhile, in the pool the running batch evicts from. Returns ``branch`` when its copy waits
         for the match; otherwise the pause ends now (unpinned) and it returns None."""
+        self.cache.loads.settle(branch)  # a prefetch in flight lands before it is judged below
         record = self.records.get(branch)
+        if record is not None and record.placement is Placement.HOST and self.copies.cancel_offload(branch):
+            record.placement = Placement.DEVICE  # its offload had not landed: the device still holds it all
         if record is None or record.placement is not Placement.HOST or branch not in self.host.entries:
             self.resume(branch, restore=False)
             return None
@@ -410,7 +435,8 @@ class PauseBook:
         record.resuming = True
         return branch
 
-    def restore_for_request(self, parent: BranchKey | None, own: BranchKey | None) -> tuple | None:
+    def restore_for_request(self, parent: BranchKey | None, own: BranchKey | None, rid: str | None = None
+                            ) -> tuple | None:
         """A request is being matched for a batch: bring back the host copies its admission deferred
         (``AgentRadixCache.admit``): a paused ``parent``'s history for a fork (kept on host too: the
         parent is still paused), then ``own`` branch's copy, which ends ``own``'s pause. A branch closed
@@ -418,13 +444,27 @@ class PauseBook:
 
         A copy that finds no room (running requests hold the pool) stays for the next match: the
         scheduler cannot admit the request either until room appears. Returns the ``(parent, own)``
-        still to restore, or None when nothing is left."""
+        still to restore, or None when nothing is left.
+
+        With asynchronous loads (``AGENTCACHE_ASYNC_LOAD``) and the request's ``rid``, ``own``'s copy
+        is made by a worker: this match allocates the slots and issues it, the scheduler skips the
+        request for the step, and its next match inserts the copy and ends the pause
+        (``AsyncLoads.finish``)."""
         if parent is not None and self.restore_for_fork(parent, defer=True) is not None:
             parent = None
         if own is not None:
             record = self.records.get(own)
+            loads = self.cache.loads
             if record is None or not record.resuming:  # closed, expired or paused afresh meanwhile
                 own = None
+            elif rid is not None and loads.enabled:
+                prepared = self.copies.prepare_restore(own, defer=True, hold=True)
+                if isinstance(prepared, PreparedRestore):
+                    loads.issue_restore(rid, prepared)  # its finish ends the pause
+                    own = None
+                elif prepared is not None:  # nothing to copy back, or failed for good: consumed
+                    self.end_resume(own)
+                    own = None
             elif self.copies.restore(own, defer=True) is not None:  # restored, or failed for good: consumed
                 self.end_resume(own)
                 own = None
@@ -514,19 +554,39 @@ class PauseBook:
             self.prefetch["refused_budget"] += 1
             return {"prefetched": False, "reason": f"speculative budget: {pending} + {need} > {budget} tokens"}
         before = self.host.promotes.seconds
+        loads = self.cache.loads
         if lazy:
             key = _path_key(record.path)
             restored = self.cache.load_spilled(key, evict=False)
             record.prefetch_end = self.cache.resident_prefix_len(key)
+        elif loads.enabled:  # a worker copies it back; it lands at a later step (prefetch_landed)
+            prepared = self.copies.prepare_restore(branch, keep_host=True, hold=True)
+            if isinstance(prepared, PreparedRestore):
+                loads.issue_prefetch(prepared)
+                restored = prepared.entry.end - prepared.begin  # what it will restore, corrected on landing
+            else:
+                restored = prepared or 0
         else:
             restored = self.copies.restore(branch, keep_host=True)
-            if branch not in self.host.entries:
-                record.placement = Placement.NONE
+        if not lazy and branch not in self.host.entries:
+            record.placement = Placement.NONE
         record.prefetched_tokens = restored
         record.prefetch_seconds = self.host.promotes.seconds - before
         self.prefetch["issued"] += 1
         self.prefetch["tokens_prefetched"] += restored
         return {"prefetched": restored > 0, "restored_tokens": restored}
+
+    def prefetch_landed(self, branch: BranchKey, restored: int, seconds: float) -> None:
+        """A prefetch a worker copied back was inserted (``AsyncLoads``): ``restored`` tokens in
+        ``seconds`` of copy (0: it failed, or found the tokens resident already)."""
+        record = self.records.get(branch)
+        if record is None:
+            return
+        self.prefetch["tokens_prefetched"] += restored - record.prefetched_tokens
+        record.prefetched_tokens = restored
+        record.prefetch_seconds = seconds
+        if branch not in self.host.entries:
+            record.placement = Placement.NONE
 
     def _prefetch_still_resident(self, branch: BranchKey, record: PauseRecord) -> bool:
         """Lazy mode: the branch's path still matches on the device as far as the prefetch brought it
@@ -603,6 +663,8 @@ class PauseBook:
         return {"paused_branches": len(self.records), "paused_by_placement": by_place,
                 "resuming_branches": sum(r.resuming for r in self.records.values()),
                 "kept_branches": len(self.kept), "kept_tokens": sum(self.kept.values()),
+                "offload_copies": {"async": self.copies.async_offload, "in_flight": len(self.copies.offloading),
+                                   "joined_running": self.copies.joined_running},
                 "host": self.host.stats(), "prefetch": prefetch, **self.counters,
                 "settings": {"bytes_per_token": self.settings.bytes_per_token,
                              "h2d_bytes_per_s": self.settings.h2d_bytes_per_s,

@@ -119,6 +119,8 @@ PINS: tuple[Pin, ...] = (
     Pin("sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req",
         ("self", "req", "has_chunked_req", "truncation_align_size"),
         "a request whose load-back is in flight is skipped for the step (CONTINUE, nothing added)"),
+    Pin("sglang.srt.managers.scheduler:Scheduler.on_idle", ("self",),
+        "an idle scheduler lands eager offloads and prefetches whose copy a worker made (no flush_pending_backups)"),
     Pin("sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache.release_aborted_request", ("self", "request"),
         "a queued request's abort drops its load-back in flight"),
     Pin("sglang.srt.managers.schedule_batch:Req.init_next_round_input", ("self", "tree_cache", "cow_mamba"),

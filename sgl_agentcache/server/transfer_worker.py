@@ -1,9 +1,12 @@
-"""One worker thread for KV copies off the scheduler thread (copy-ahead spills, asynchronous load-backs).
+"""One worker thread for KV copies off the scheduler thread (copy-ahead spills, asynchronous load-backs,
+eager pauses' offloads, restores and prefetches).
 
 On a CPU pool the worker simply runs the copy. On a CUDA pool it runs it on a stream of its own (its
-device set on the thread) and waits for that stream before the future completes, so whoever joins the
-future may use the copied bytes on any stream. The scheduler thread never shares a tensor the worker
-is writing: callers hand it slots nobody else reads until they join.
+device set on the thread): that stream first waits for an event recorded on the submitting thread's
+current stream at submit (so the copy reads what the forward passes queued before it wrote, and writes
+slots only after the reads queued before it), and the worker waits for its stream before the future
+completes, so whoever joins the future may use the copied bytes on any stream. The scheduler thread
+never shares a tensor the worker is writing: callers hand it slots nobody else reads until they join.
 """
 
 from __future__ import annotations
@@ -36,11 +39,17 @@ class TransferWorker:
 
     def submit(self, fn, *args) -> Future:
         """Run ``fn(*args)`` on the worker; on CUDA inside the worker's stream, synchronized at the end."""
-        return self._start().submit(self._run, fn, args)
+        executor = self._start()
+        ready = None
+        if self._stream is not None:  # what the scheduler's stream queued so far comes first
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return executor.submit(self._run, fn, args, ready)
 
-    def _run(self, fn, args):
+    def _run(self, fn, args, ready):
         if self._stream is None:
             return fn(*args)
+        self._stream.wait_event(ready)
         with torch.cuda.stream(self._stream):
             result = fn(*args)
         self._stream.synchronize()

@@ -282,6 +282,12 @@ class AgentTreeCore(UnifiedTreeCore):
         """Something that kept a terminated leaf from being reclaimed let go of it."""
         self.reclaim_due = bool(self.terminated)
 
+    def attached(self, node: UnifiedTreeNode) -> bool:
+        """``node`` is still in the tree. Deleting a leaf only unlinks it from its parent (its key,
+        value and parent stay set), and leaves go before their parents, so the parent's link decides."""
+        parent = node.parent
+        return parent is not None and parent.children.get(node.key.child_key(self.page_size)) is node
+
     def is_device_leaf(self, node: UnifiedTreeNode) -> bool:
         """Unlocked, device-resident, no device-resident children: evictable right now."""
         return node in self.evictable_device_leaves

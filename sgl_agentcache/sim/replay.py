@@ -530,6 +530,10 @@ class _Run:
         if order.action is not None or order.latency is not None:
             with self.driver.activated():
                 pauses.pause(branch, order.latency, tool_class=tool.tool_class, force=order.action)
+            if branch in pauses.copies.offloading:  # an asynchronous offload: it lands when the link has
+                # carried the copy (or earlier, at the next step a call's decode runs): a call of the
+                # branch before then keeps its device KV and the copy is dropped (HostCopies.cancel_offload)
+                self.push(now + tokens * p.kv_bytes_per_token / p.d2h_bytes_per_s, "land", branch)
         self.paused[branch] = (now, tool.tool_class, self.owned_on_device(branch))
         if order.unpin_after_s is not None:
             self.push(now + order.unpin_after_s, "unpin", branch)
@@ -715,6 +719,9 @@ class _Run:
                 self.on_unpin(payload)
             elif kind == "prefetch":
                 self.on_prefetch(*payload)
+            elif kind == "land":
+                with self.driver.activated():
+                    self.cache.pauses.land_offloads(payload)
             stuck = len(self.waiting) + len(self.deferred) + len(self.blocked_closes)
             if not self.events and stuck:
                 raise RuntimeError(f"{stuck} requests or closes can never be admitted into a "
