@@ -112,3 +112,18 @@ def test_resolve_profile_by_name_or_path(tmp_path):
     assert resolve_profile(str(tmp_path / "p.json")).h2d_bytes_per_s == 5e10
     with pytest.raises(ProfileError, match="unknown profile 'no-such'"):
         resolve_profile("no-such")
+
+
+SIDE_STREAMS = SCRIPT.parent / "side_stream_check.py"
+
+
+def test_the_side_stream_check_runs_its_code_paths_on_the_cpu(tmp_path):
+    """``bench/gpu/side_stream_check.py`` is the GPU check of the transfer worker's stream ordering; on
+    the CPU (``--dry-run``) it runs the same code with the worker copying in place, which must pass."""
+    proc = subprocess.run([sys.executable, str(SIDE_STREAMS), "--dry-run", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "side_stream_check.json").read_text())
+    assert report["ok"] and report["dry_run"] and report["device"] == "cpu"
+    assert report["d2h_after_queued_writes"]["stale_values"] == 0
+    assert report["h2d_after_queued_reads"]["rows_after_join_ok"]

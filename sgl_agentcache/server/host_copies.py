@@ -323,8 +323,9 @@ class HostCopies:
             self.counters["offload_fallbacks"]["host_full"] += 1
             return None
         self._hang(entry, chain[0].parent)
+        bounds = self.host.segment_bounds(entry, len(indices))  # now: a prepend may change the entry meanwhile
         flight = _Offloading(entry, chain, copied, len(indices),
-                             self._worker.submit(self.host.copy_segments, entry, indices))
+                             self._worker.submit(self.host.copy_segments, entry, indices, bounds))
         self.offloading[branch] = flight
         self.leaving.update(chain)
         for node in copied:

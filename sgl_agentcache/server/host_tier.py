@@ -112,7 +112,9 @@ class TransferStats:
 
 
 class HostTier:
-    """Branch-keyed host copies of KV, bounded in tokens. Not thread-safe (the scheduler thread owns it)."""
+    """Branch-keyed host copies of KV, bounded in tokens. Not thread-safe: the scheduler thread owns it;
+    only :meth:`copy_segments`, :meth:`copy_back` and :meth:`load_in` may run on a worker (they touch no
+    bookkeeping, and their callers keep the entry and slots they read unchanged until they join)."""
 
     def __init__(self, allocator, capacity_tokens: int):
         self.allocator = allocator
@@ -177,14 +179,22 @@ class HostTier:
         self.used_tokens += n
         return entry
 
-    def copy_segments(self, entry: HostEntry, device_indices) -> tuple[list, float]:
+    @staticmethod
+    def segment_bounds(entry: HostEntry, n: int) -> list[int]:
+        """Where each of a just-reserved entry's segments starts in its ``n`` device indices, and ``n``."""
+        return [off - entry.start for off, _ in entry.segments] + [n]
+
+    def copy_segments(self, entry: HostEntry, device_indices, bounds: list[int] | None = None) -> tuple[list, float]:
         """The device->host copy of a reserved entry, one copy per segment: ``(kv, seconds)``. Touches
-        no bookkeeping (a worker thread may run it; its caller counts). Raises :class:`TransferError`."""
+        no bookkeeping (a worker thread may run it; its caller counts; ``bounds``, from
+        :meth:`segment_bounds` taken on the caller's thread, keep it from reading the entry at all).
+        Raises :class:`TransferError`."""
         self._maybe_fail("demote", wrapped=False)
         began = time.perf_counter()
         try:
             self._maybe_fail("demote")
-            bounds = [off - entry.start for off, _ in entry.segments] + [len(device_indices)]
+            if bounds is None:
+                bounds = self.segment_bounds(entry, len(device_indices))
             kv = [self.allocator.get_cpu_copy(device_indices[a:b]) for a, b in zip(bounds, bounds[1:])]
         except Exception as exc:  # noqa: BLE001 - any copy failure degrades to recompute
             raise TransferError(f"device->host copy of {len(device_indices)} tokens failed: {exc}") from exc
