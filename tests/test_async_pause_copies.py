@@ -381,3 +381,31 @@ def test_a_prefetch_whose_copy_fails_lands_as_nothing_and_the_request_recomputes
     assert again.cached_tokens == STABLE
     assert pauses.host.used_tokens == 0 and not pauses.records
     h.assert_clean()
+
+
+def test_the_resume_routes_restore_is_copied_by_a_worker_and_lands_like_a_prefetch():
+    """``/agentcache/resume`` on an offloaded branch, before its request: the pause ends at once, the
+    copy back is made by the worker and lands at the next step; the request then hits it."""
+    h = Harness()
+    threads = loads_recorded(h)
+    history = offloaded(h, "s")
+    out = h.call("resume", "s")
+    assert out["resumed"] and out["restored_tokens"] == 301 - STABLE
+    assert branch("s") not in h.cache.pauses.records and branch("s") in h.cache.loads.prefetches
+    h.driver.step()
+    assert not h.cache.loads.prefetches and h.cache.pauses.host.used_tokens == 0  # landed, copy dropped
+    assert threads and threading.get_ident() not in threads
+    again = h.turn("s", history + ids(9, 10), [3], capture=300)
+    assert again.cached_tokens == 301
+    assert all(torch.equal(kv, torch.arange(300.0) + 900.0) for kv in again.captured)
+    h.assert_clean()
+
+
+def test_a_request_right_after_the_resume_route_lands_its_restore_first():
+    h = Harness()
+    history = offloaded(h, "s")
+    assert h.call("resume", "s")["resumed"]
+    again = h.turn("s", history + ids(9, 10), [3])  # no step in between: its match lands the copy
+    assert again.cached_tokens == 301 and not h.cache.loads.prefetches
+    assert h.cache.pauses.host.used_tokens == 0
+    h.assert_clean()

@@ -35,9 +35,9 @@ worker may still be writing the slots), then the slots are freed.
 ``AGENTCACHE_ASYNC_LOAD``: ``auto`` (default: on for CPU pools, off for CUDA ones until the side-stream
 path has run on a GPU), ``1``, ``0`` (every host->device copy on the scheduler thread, as before). Eager
 offloads (device->host) copy on a worker too (``AGENTCACHE_ASYNC_OFFLOAD``,
-:mod:`~sgl_agentcache.server.host_copies`). Still on the scheduler thread: a fork's restore of its
-paused lead's history, and a restore the resume route asks for (``/agentcache/resume`` on an offloaded
-branch, before its request comes; the request's own restore is asynchronous).
+:mod:`~sgl_agentcache.server.host_copies`). The resume route's restore (``/agentcache/resume`` on an offloaded
+branch, before its request comes) lands like a prefetch. Still on the scheduler thread: a fork's
+restore of its paused lead's history.
 """
 
 from __future__ import annotations
@@ -134,9 +134,10 @@ class AsyncLoads:
         self.counters["restores_issued"] += 1
 
     def issue_prefetch(self, prepared: PreparedRestore) -> None:
-        """Copy a paused branch's host copy back ahead of its request (a prefetch; its slots allocated
-        and its prefix held by ``HostCopies.prepare_restore(hold=True)``). It lands at a later step
-        (:meth:`land_prefetches`), or when anything touches the branch first (:meth:`settle`)."""
+        """Copy a branch's host copy back ahead of its request (a prefetch, or the resume route's
+        restore; its slots allocated and its prefix held by ``HostCopies.prepare_restore(hold=True)``).
+        It lands at a later step (:meth:`land_prefetches`), or when anything touches the branch first
+        (:meth:`settle`)."""
         host = self.cache.pauses.host
         future = self._worker.submit(host.copy_back, prepared.entry, prepared.first, prepared.new)
         self.prefetches[prepared.branch] = _Restoring(prepared, future)

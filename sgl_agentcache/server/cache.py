@@ -276,6 +276,7 @@ class AgentRadixCache(UnifiedRadixCache):
             parent = plan.parent.owner  # a subagent needs its paused lead's history (restored first)
         if plan.own.owner is not None:
             self.seen.add(plan.own.owner)
+            self.loads.settle(plan.own.owner)  # a copy back issued ahead of it (prefetch, resume route) lands
             if plan.own.owner in self.pauses.records:  # the tool returned: the pause ends (see begin_resume)
                 own = self.pauses.begin_resume(plan.own.owner)
         req.agentcache_restores = (parent, own) if parent or own else None

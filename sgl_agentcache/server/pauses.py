@@ -412,9 +412,22 @@ class PauseBook:
             self._prefetch_outcome(branch, record)
         restored = 0
         if record.placement is Placement.HOST and not self.copies.cancel_offload(branch) and restore:
-            restored = self.copies.restore(branch)
+            restored = self._restore_ahead(branch)
         return {"resumed": True, "placement": record.placement.value, "restored_tokens": restored,
                 "prefetched_tokens": prefetched}
+
+    def _restore_ahead(self, branch: BranchKey) -> int:
+        """Bring an ended pause's host copy back ahead of its request (the resume route). With
+        asynchronous loads a worker copies it and it lands like a prefetch (``AsyncLoads``: at a later
+        step, or when the branch's request comes); returns the tokens it restores (or will)."""
+        loads = self.cache.loads
+        if not loads.enabled:
+            return self.copies.restore(branch)
+        prepared = self.copies.prepare_restore(branch, hold=True)
+        if not isinstance(prepared, PreparedRestore):
+            return prepared or 0
+        loads.issue_prefetch(prepared)  # not kept on host: the landing drops the copy
+        return prepared.entry.end - prepared.begin
 
     def begin_resume(self, branch: BranchKey) -> BranchKey | None:
         """The paused ``branch``'s next request arrived. A host copy stays, with its record (now
