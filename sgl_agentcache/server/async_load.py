@@ -73,7 +73,8 @@ class _InFlight:
 
 @dataclass
 class _Restoring:
-    """An eager pause's host copy being copied back for the branch's request (``HostCopies``)."""
+    """An eager pause's host copy being copied back (``HostCopies.prepare_restore``): for the branch's
+    request (keyed by its rid), or ahead of it (a prefetch, the resume route; keyed by branch)."""
 
     prepared: PreparedRestore
     future: Future  # -> seconds the copy took
@@ -85,15 +86,16 @@ class _Restoring:
 
 
 class AsyncLoads:
-    """The load-backs in flight of one cache, by request id (see the module docstring). Owned by the
-    scheduler thread; the worker only runs ``SpillTier.copy_chain``."""
+    """The host->device copies in flight of one cache: by request id (spill load-backs, eager restores)
+    and by branch (prefetches); see the module docstring. Owned by the scheduler thread; the worker only
+    runs ``SpillTier.copy_chain`` and ``HostTier.copy_back``."""
 
     def __init__(self, cache, enabled: bool):
         self.cache = cache
         self.enabled = enabled
         self.by_rid: dict[str, _InFlight | _Restoring] = {}
         self.restoring: dict[BranchKey, str] = {}  # branch -> the request its eager restore is copied for
-        self.prefetches: dict[BranchKey, _Restoring] = {}  # speculative restores in flight, in issue order
+        self.prefetches: dict[BranchKey, _Restoring] = {}  # copies back ahead of a request, in issue order
         device = getattr(cache.token_to_kv_pool_allocator, "device", "cpu")
         self._worker = TransferWorker(device, "agentcache-load")  # its thread starts at the first load
         self.counters = {"issued": 0, "issued_tokens": 0, "finished": 0, "loaded_tokens": 0,
