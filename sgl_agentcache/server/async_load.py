@@ -48,7 +48,6 @@ from dataclasses import dataclass
 
 from sgl_agentcache.lifecycle import BranchKey
 from sgl_agentcache.server.host_copies import PreparedRestore
-from sgl_agentcache.server.host_tier import TransferError
 from sgl_agentcache.server.spill import PreparedLoad
 from sgl_agentcache.server.transfer_worker import TransferWorker, wanted
 
@@ -129,9 +128,7 @@ class AsyncLoads:
     def issue_restore(self, rid, prepared: PreparedRestore) -> None:
         """Copy an eager pause's host copy back for request ``rid`` (its slots allocated and its prefix
         held by ``HostCopies.prepare_restore(hold=True)``); finished at the request's next match."""
-        host = self.cache.pauses.host
-        future = self._worker.submit(host.copy_back, prepared.entry, prepared.first, prepared.new)
-        self.by_rid[rid] = _Restoring(prepared, future)
+        self.by_rid[rid] = self._copy_back(prepared)
         self.restoring[prepared.branch] = rid
         self.counters["restores_issued"] += 1
 
@@ -140,9 +137,7 @@ class AsyncLoads:
         restore; its slots allocated and its prefix held by ``HostCopies.prepare_restore(hold=True)``).
         It lands at a later step (:meth:`land_prefetches`), or when anything touches the branch first
         (:meth:`settle`)."""
-        host = self.cache.pauses.host
-        future = self._worker.submit(host.copy_back, prepared.entry, prepared.first, prepared.new)
-        self.prefetches[prepared.branch] = _Restoring(prepared, future)
+        self.prefetches[prepared.branch] = self._copy_back(prepared)
         self.counters["prefetches_issued"] += 1
 
     def copying_back(self, branch: BranchKey) -> bool:
@@ -225,6 +220,10 @@ class AsyncLoads:
         return {"enabled": self.enabled, "in_flight": len(self.by_rid), "prefetches_in_flight": len(self.prefetches),
                 **self.counters}
 
+    def _copy_back(self, prepared: PreparedRestore) -> _Restoring:
+        host = self.cache.pauses.host
+        return _Restoring(prepared, self._worker.submit(host.copy_back, prepared.entry, prepared.first, prepared.new))
+
     def _finish_restore(self, flight: _Restoring) -> int:
         branch = flight.prepared.branch
         self.restoring.pop(branch, None)
@@ -244,11 +243,9 @@ class AsyncLoads:
         the outcome); returns the tokens restored."""
         prepared, cache = flight.prepared, self.cache
         failure = self._join(flight)
-        copies, host = cache.copies, cache.pauses.host
-        if failure is None:
-            host.count_promote(prepared.entry, prepared.first, flight.seconds)
-        elif isinstance(failure, TransferError):
-            host.promotes.failures += 1
+        copies = cache.copies
+        cache.pauses.host.count_promote(prepared.entry, prepared.first,
+                                        flight.seconds if failure is None else failure)
         # The prefix was held, so it is still there; only a suffix someone else inserted meanwhile (a
         # request with the same tokens) changes the tree under the copy: then restore as things are now.
         if cache.resident_prefix_len(prepared.key) != prepared.have:

@@ -160,8 +160,7 @@ class HostCopies:
         anchor whose own branch ended was kept only for this copy: it is reclaimed now if nothing else
         holds it (see ``AgentRadixCache.reclaim_terminated``)."""
         if branch in self.offloading:  # its copy is not needed any more: the suffix stays as it is
-            self._finish_copy(self.offloading[branch])
-            self._forget_offloading(branch)
+            self._stop_offload(branch)
             self.counters["offload_cancelled"] += 1
         self.cache.loads.drop_branch(branch)  # a worker copying it back stops (slots freed, nothing inserted)
         entry = self.host.entries.get(branch)
@@ -356,8 +355,7 @@ class HostCopies:
                 continue
             if not wait and not self.cache.agreement(flight.outcome is not None or flight.future.done()):
                 break  # the rest were submitted later: not made yet either
-            outcome = self._finish_copy(flight)
-            self._forget_offloading(b)
+            outcome = self._stop_offload(b)
             ok = not isinstance(outcome, BaseException)
             if not self.cache.agree(ok):
                 self.drop(b)
@@ -366,9 +364,7 @@ class HostCopies:
                 continue
             self.host.fill(flight.entry, outcome[0])
             if evict:
-                core = self.cache.tree_core
-                resident = sum(len(n.key) for n in flight.chain
-                               if core.attached(n) and n.component_data[FULL].value is not None)
+                resident = sum(len(n.key) for n in flight.chain if self._on_device(n))
                 self._free_suffix(b, flight.chain, resident)
         return failed
 
@@ -380,8 +376,7 @@ class HostCopies:
         flight = self.offloading.get(branch)
         if flight is None:
             return False
-        core = self.cache.tree_core
-        whole = all(core.attached(n) and n.component_data[FULL].value is not None for n in flight.chain)
+        whole = all(self._on_device(n) for n in flight.chain)
         if whole:
             self.drop(branch)
             return True
@@ -399,12 +394,20 @@ class HostCopies:
             self.host.count_copy(flight.outcome, flight.tokens)  # made, whether it is stored or not
         return flight.outcome
 
-    def _forget_offloading(self, branch: BranchKey) -> None:
+    def _stop_offload(self, branch: BranchKey):
+        """Join ``branch``'s copy in flight and forget it (its outcome is returned: the caller stores,
+        drops or discards)."""
         flight = self.offloading.pop(branch)
+        outcome = self._finish_copy(flight)
         self.leaving.difference_update(flight.chain)
         for node in flight.read:
             if self._read_by.get(node) == branch:
                 del self._read_by[node]
+        return outcome
+
+    def _on_device(self, node) -> bool:
+        """Still in the tree with its device KV (eviction unlinks a leaf; its value stays set)."""
+        return self.cache.tree_core.attached(node) and node.component_data[FULL].value is not None
 
     def _log_failure(self, branch: BranchKey, failure) -> None:
         logger.warning("agentcache: offload of %s/%s failed%s, discarding instead: %s", branch.session,
@@ -563,8 +566,7 @@ class HostCopies:
     def reset(self) -> int:
         """The tree was rebuilt empty: every host copy and anchor referred to it. Returns host tokens freed."""
         for branch in list(self.offloading):  # the worker may still read slots about to be freed
-            self._finish_copy(self.offloading[branch])
-            self._forget_offloading(branch)
+            self._stop_offload(branch)
         freed = sum(self.host.delete(branch) for branch in list(self.host.entries))
         self.anchors.clear()
         return freed

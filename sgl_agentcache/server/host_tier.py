@@ -295,8 +295,8 @@ class HostTier:
         :class:`TransferError` on failure. The entry stays until :meth:`delete`."""
         try:
             seconds = self.copy_back(entry, first, device_indices)
-        except TransferError:
-            self.promotes.failures += 1
+        except TransferError as exc:
+            self.count_promote(entry, first, exc)
             raise
         self.count_promote(entry, first, seconds)
 
@@ -317,9 +317,14 @@ class HostTier:
             raise TransferError(f"host->device copy of {entry.end - begin} tokens failed: {exc}") from exc
         return time.perf_counter() - began
 
-    def count_promote(self, entry: HostEntry, first: int, seconds: float) -> None:
-        """Count one :meth:`copy_back` of ``entry`` from segment ``first`` in :attr:`promotes`."""
-        self.promotes.add(entry.end - entry.segments[first][0], nbytes_of(entry.kv[first:]), seconds)
+    def count_promote(self, entry: HostEntry, first: int, outcome) -> None:
+        """Count one :meth:`copy_back` of ``entry`` from segment ``first`` in :attr:`promotes`: the
+        seconds it took, or the exception it raised (as :meth:`count_copy` does for the other way)."""
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, TransferError):
+                self.promotes.failures += 1
+            return
+        self.promotes.add(entry.end - entry.segments[first][0], nbytes_of(entry.kv[first:]), outcome)
 
     def delete(self, branch: BranchKey) -> int:
         """Drop ``branch``'s host copy; returns the tokens freed."""
