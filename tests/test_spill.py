@@ -314,6 +314,33 @@ def test_tokens_forks_share_past_their_fork_point_become_the_leads_history():
     assert_clean(driver)
 
 
+def test_forks_prefilled_together_hand_what_they_share_to_the_lead_at_their_insert():
+    """Siblings forked at once are admitted before any of them is inserted (one prefill batch): none
+    matches another's tokens, so the shared tokens are created by the first insert and only *matched*
+    by the second; that insert hands them to the lead, and the lead's next turn hits them after both
+    forks closed."""
+    driver = spill_driver(pool=400, host=0)
+    cache = driver.cache
+    lead_ctx, shared = ids(10, 100), ids(120, 16)
+    run(driver, "lead0", lead_ctx, out=(), hint=LEAD)
+    lead = BranchKey(namespace_key(None, None), "s", "main")
+    owned_before = cache.tree_core.owned_tokens(lead)
+    forks = [driver.admit(name, lead_ctx + shared + ids(start, 20),
+                          kv_hints=lifecycle_envelope(_fork(name, 100), message_id=name))
+             for name, start in (("w1", 200), ("w2", 250))]
+    assert [req.cached_tokens for req in forks] == [100, 100]  # neither saw the other's tokens
+    for req in forks:
+        driver.extend(req, [1])
+        driver.finish(req)
+    assert cache.adopted_tokens == 16 and cache.tree_core.owned_tokens(lead) == owned_before + 16
+    with driver.activated():
+        for name in ("w1", "w2"):
+            cache.close_branch(lead._replace(branch=name))
+    assert cache.tree_core.owned_tokens(lead._replace(branch="w1")) == 0
+    assert run(driver, "lead1", lead_ctx + shared + ids(300, 20), hint=LEAD) == 116
+    assert_clean(driver)
+
+
 def test_adoption_takes_only_other_branches_scratch_of_the_same_session():
     driver = spill_driver(pool=400, host=0)
     cache = driver.cache

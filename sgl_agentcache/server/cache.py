@@ -435,8 +435,15 @@ class AgentRadixCache(UnifiedRadixCache):
         fresh = core.take_fresh()
         if fresh and plan.boundaries and req.last_node is not None:
             self._settle(req, plan, locked, fresh)
+        if plan.parent is not None and not getattr(req, "agentcache_adopted_inserted", False):
+            # Siblings forked together are prefilled in one batch: none matches another's tokens at
+            # admission, so what they share past the fork point (the tokens after the lead's output that
+            # each of their prompts carries) is created by whichever inserts first and only *matched*
+            # by the others' inserts. Their first insert adopts it too (below their own new nodes).
+            req.agentcache_adopted_inserted = True
+            self._adopt_shared_context(req, plan, past_own=True)
 
-    def _adopt_shared_context(self, req, plan: InsertPlan) -> None:
+    def _adopt_shared_context(self, req, plan: InsertPlan, *, past_own: bool = False) -> None:
         """Nodes another branch's scratch created that this request reuses become the session's history.
 
         A fork creates the first tokens past its fork point; when its siblings' or its lead's next
@@ -445,6 +452,7 @@ class AgentRadixCache(UnifiedRadixCache):
         fork that happened to run first, and the lead's next turn would recompute them. Walks up from
         the request's matched node while nodes are scratch of *other* branches of the same session
         (usually none or one node); charges them to the lead within its quota, as :meth:`_stamp` does.
+        ``past_own``: start above the request's own nodes (after its insert, which created them).
         """
         if req.last_node is None:
             return
@@ -457,6 +465,9 @@ class AgentRadixCache(UnifiedRadixCache):
             node = core.node_by_id(req.last_node)
         except KeyError:
             return
+        if past_own:
+            while node is not core.root_node and node.agent.owner == me:
+                node = node.parent
         while node is not core.root_node:
             state = node.agent
             owner = state.owner
