@@ -423,7 +423,8 @@ class AgentRadixCache(UnifiedRadixCache):
             req.agentcache_edited = True
             self.context_edit_freed_tokens += self._drop_edited_history(req, owner, hint.edit_from_tokens)
         locked = req.kv.cache_protected_len  # in the tree and locked: the insert creates nodes past it only
-        if not getattr(req, "agentcache_adopted", False):
+        first_insert = not getattr(req, "agentcache_adopted", False)
+        if first_insert:
             req.agentcache_adopted = True
             self._adopt_shared_context(req, plan)
         core.insert_state = own
@@ -435,12 +436,11 @@ class AgentRadixCache(UnifiedRadixCache):
         fresh = core.take_fresh()
         if fresh and plan.boundaries and req.last_node is not None:
             self._settle(req, plan, locked, fresh)
-        if plan.parent is not None and not getattr(req, "agentcache_adopted_inserted", False):
+        if first_insert and plan.parent is not None:
             # Siblings forked together are prefilled in one batch: none matches another's tokens at
             # admission, so what they share past the fork point (the tokens after the lead's output that
             # each of their prompts carries) is created by whichever inserts first and only *matched*
-            # by the others' inserts. Their first insert adopts it too (below their own new nodes).
-            req.agentcache_adopted_inserted = True
+            # by the others' inserts. Their first insert adopts it too (above their own new nodes).
             self._adopt_shared_context(req, plan, past_own=True)
 
     def _adopt_shared_context(self, req, plan: InsertPlan, *, past_own: bool = False) -> None:
