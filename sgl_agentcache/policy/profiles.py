@@ -3,8 +3,14 @@
 The server's pause decisions price a deployment with one of these (``AGENTCACHE_PROFILE``); the
 replayer, which moves no real KV and runs no model, charges time from the same constants. Profiles are
 named; ``seed`` carries the figures of the tool-pause article (36 KiB of KV per token, 8 GiB/s
-host<->device, 20,000 prefill tokens/s), ``qwen2.5-3b-h200`` is a Qwen2.5-3B-shaped model on an H200
-(provisional, to be replaced by the calibration script's measured profile).
+host<->device, 20,000 prefill tokens/s), ``qwen2.5-3b-h200`` is a Qwen2.5-3B-shaped model on an H200,
+measured there on 2026-12-04 (``bench/gpu/results/``): the prefill rate at 4096 tokens from
+``bench/gpu/calibrate.py`` (69,466 tokens/s), the transfer rates of SGLang 0.5.23's own pool copies
+(``get_cpu_copy`` / ``load_cpu_copy``, per-layer gathers of a 4096-token copy) through the transfer
+worker from ``bench/gpu/side_stream_check.py`` once warm (26.2 GB/s device->host, 27.4 GB/s
+host->device; contiguous pinned copies reach 54 GB/s, the calibration's ``h200.json``). Its decode
+step stays provisional (8 ms): the calibration's decode is HF eager mode at batch 1 (86 ms), no
+stand-in for SGLang's.
 
 Measured profiles are JSON files written by ``bench/gpu/calibrate.py`` (schema
 ``sgl-agentcache-profile/1``); :func:`load_profile` reads one, :func:`resolve_profile` accepts either a
@@ -41,7 +47,7 @@ class Profile:
 
 PROFILES = {
     "seed": Profile("seed", 36 * 1024, 20_000.0, 0.02, 8 * 2**30, 8 * 2**30),
-    "qwen2.5-3b-h200": Profile("qwen2.5-3b-h200", 36 * 1024, 60_000.0, 0.008, 40 * 2**30, 40 * 2**30),
+    "qwen2.5-3b-h200": Profile("qwen2.5-3b-h200", 36 * 1024, 69_466.0, 0.008, 27.4e9, 26.2e9),
 }
 
 

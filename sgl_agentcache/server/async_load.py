@@ -32,8 +32,8 @@ aborted while its load is in flight (``release_aborted_request``), a branch clos
 its copy comes back (``abandoned["dropped"]``) and a cache reset drop the copy: it is joined first (the
 worker may still be writing the slots), then the slots are freed.
 
-``AGENTCACHE_ASYNC_LOAD``: ``auto`` (default: on for CPU pools, off for CUDA ones until the side-stream
-path has run on a GPU), ``1``, ``0`` (every host->device copy on the scheduler thread, as before). Eager
+``AGENTCACHE_ASYNC_LOAD``: ``auto`` (default: on for CPU and CUDA pools, see
+``transfer_worker.CHECKED_DEVICE_TYPES``), ``1``, ``0`` (every host->device copy on the scheduler thread, as before). Eager
 offloads (device->host) copy on a worker too (``AGENTCACHE_ASYNC_OFFLOAD``,
 :mod:`~sgl_agentcache.server.host_copies`). The resume route's restore (``/agentcache/resume`` on an offloaded
 branch, before its request comes) lands like a prefetch. Still on the scheduler thread: a fork's

@@ -17,9 +17,9 @@ the copy). Copies made ahead wait in host memory outside the host tier's capacit
 ``AGENTCACHE_COPY_AHEAD_TOKENS`` (staging, like HiCache's write buffers); one that eviction no longer
 ranks next is dropped at the next planning step.
 
-``AGENTCACHE_COPY_AHEAD``: ``auto`` (default: on for CPU pools, off for CUDA ones), ``1`` on, ``0`` off.
-The CUDA path (the worker on its own stream, its device set) has not run on a GPU yet, so it is
-opt-in there until it has; the CPU path is what tests/test_copy_ahead.py and the server tests run.
+``AGENTCACHE_COPY_AHEAD``: ``auto`` (default: on for CPU and CUDA pools, off for other devices), ``1``
+on, ``0`` off. The CPU path is what tests/test_copy_ahead.py and the server tests run; the CUDA path (the
+worker on its own stream, its device set) is checked on a GPU by ``bench/gpu/side_stream_check.py``.
 """
 
 from __future__ import annotations

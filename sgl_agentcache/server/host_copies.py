@@ -12,7 +12,7 @@ such a node).
 - :meth:`HostCopies.offload` copies the suffix to the host tier and frees its device slots; a few
   small nodes above it (usually other branches') are copied too but stay (the lead-in, see
   ``_lead_in``). A full host tier or a failed copy returns None (the caller discards instead).
-  With ``AGENTCACHE_ASYNC_OFFLOAD`` (default on CPU pools) the copy runs on a worker thread (on CUDA,
+  With ``AGENTCACHE_ASYNC_OFFLOAD`` (default on CPU and CUDA pools) the copy runs on a worker thread (on CUDA,
   its own stream): the pause returns at once, the host room is reserved, and the suffix stays in the
   tree -- ranked first for eviction (``leaving``) -- until the copy *lands* at the scheduler's next
   step (:meth:`HostCopies.land`, from ``flush_pending_backups``). Eviction of a node the copy reads
@@ -57,7 +57,7 @@ FULL = ComponentType.FULL
 
 #: Tokens of other branches' small nodes copied just above an offloaded suffix (see HostCopies._lead_in).
 LEAD_IN_TOKENS = 64
-#: ``auto`` (default: on for CPU pools, off for CUDA ones until the side-stream path has run on a GPU),
+#: ``auto`` (default: on for CPU and CUDA pools, see transfer_worker.CHECKED_DEVICE_TYPES),
 #: ``1``, ``0``: an offload's device->host copy runs on a worker thread (see HostCopies.offload).
 ASYNC_OFFLOAD_ENV = "AGENTCACHE_ASYNC_OFFLOAD"
 

@@ -17,15 +17,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 
+#: Pool devices a worker-thread copy is on by default for: CPU (the copy runs as is) and CUDA (on the
+#: worker's stream; ``bench/gpu/side_stream_check.py`` passed on an H200 with SGLang 0.5.23's own pool
+#: copies, ``bench/gpu/results/side_stream_check.json``). Other devices have never run it.
+CHECKED_DEVICE_TYPES = ("cpu", "cuda")
+
+
 def wanted(env: str, kv_device) -> bool:
     """An ``auto`` / ``1`` / ``0`` switch for a worker-thread feature: ``auto`` (the default) is on for
-    CPU pools and off for CUDA ones, whose path (a side stream) has not run on a GPU yet."""
+    pools on a device type in :data:`CHECKED_DEVICE_TYPES` and off for any other."""
     mode = os.environ.get(env, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{env} must be auto, 0 or 1, not {mode!r}")
     if mode != "auto":
         return mode == "1"
-    return torch.device(kv_device or "cpu").type == "cpu"
+    return torch.device(kv_device or "cpu").type in CHECKED_DEVICE_TYPES
 
 
 class TransferWorker:
@@ -67,4 +73,4 @@ class TransferWorker:
         return self._executor
 
 
-__all__ = ["TransferWorker", "wanted"]
+__all__ = ["CHECKED_DEVICE_TYPES", "TransferWorker", "wanted"]
