@@ -231,6 +231,8 @@ def test_a_reset_drops_the_loads_in_flight(monkeypatch):
 
 def test_the_switch(monkeypatch):
     monkeypatch.delenv(ASYNC_LOAD_ENV, raising=False)
-    assert async_load_wanted("cpu") and not async_load_wanted("cuda")
+    assert async_load_wanted("cpu") and async_load_wanted("cuda") and not async_load_wanted("xpu")
+    monkeypatch.setenv(ASYNC_LOAD_ENV, "0")
+    assert not async_load_wanted("cuda")
     monkeypatch.setenv(ASYNC_LOAD_ENV, "1")
-    assert async_load_wanted("cuda")
+    assert async_load_wanted("xpu")
