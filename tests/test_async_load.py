@@ -22,7 +22,7 @@ from kv_stamps import path_kv, stamp_prompt_kv
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.server.admission import _around_add_one_req
-from sgl_agentcache.server.async_load import ASYNC_LOAD_ENV, async_load_wanted
+from sgl_agentcache.server.async_load import ASYNC_LOAD_ENV, MAX_WAIT_STEPS, async_load_wanted
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_ENV
 from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
 
@@ -97,6 +97,7 @@ class Run:
         assert report.ok, report.errors
         assert self.driver.idle_free_tokens() == self.driver.pool_tokens
         assert not self.cache.loads.by_rid and not self.cache.spill.loading and not self.cache.spill._pinned
+        assert not self.cache.loads.waiting
 
 
 def test_a_load_back_runs_on_the_worker_and_changes_nothing_else(monkeypatch):
@@ -140,6 +141,69 @@ def test_the_scheduler_skips_the_request_until_its_next_match(monkeypatch):
     assert not run.cache.loads.pending(req.rid) and req.prefix_len >= 290
     run.abort_queued(req)  # the scheduler aborts it (it never ran): nothing of it is held
     run.assert_clean()
+
+
+def _skipped_by_the_hook(cache, req) -> bool:
+    """The plugin's hook on PrefillAdder.add_one_req passes ``req`` over (nothing reaches the real one)."""
+    adder = type("Adder", (), {"tree_cache": cache, "rem_total_tokens": 10, "cur_rem_tokens": 10})()
+    added = []
+    skipped = _around_add_one_req(lambda *a, **k: added.append(a), adder, req, False, None) is AddReqResult.CONTINUE
+    return skipped and not added
+
+
+def test_a_request_continuing_into_another_requests_load_waits_a_step_and_hits_it(monkeypatch):
+    """Siblings reach the scheduler in one step: the first one's admission match issues the load of
+    what they share; the others' matches, in the same step, must not admit them to recompute those
+    tokens (the entries are skipped by their own chain search) but hold them back a step, after which
+    they hit what the load brought back. One load, no recompute of the shared tokens."""
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    first = run.queued_return()
+    loads = run.cache.loads
+    assert loads.pending(first.rid)
+    second = run.driver.queue("sibling", PROMPTS[0] + ids(98, 20), kv_hints=run.hint("s7"))
+    with run.driver.activated():
+        second.init_next_round_input(run.cache)
+    assert loads.waiting == {second.rid: 1} and not loads.pending(second.rid) and second.prefix_len < 300
+    assert loads.holds_back(second.rid) and _skipped_by_the_hook(run.cache, second)
+    with run.driver.activated():  # the next step: the loader's match inserts the chain, the waiter hits it
+        first.init_next_round_input(run.cache)
+        second.init_next_round_input(run.cache)
+    assert first.prefix_len >= 290 and second.prefix_len >= 290
+    assert not loads.waiting and not loads.holds_back(second.rid)
+    assert loads.counters["issued"] == loads.counters["finished"] == 1 and loads.counters["waited_for_other"] == 1
+    run.abort_queued(first)
+    run.abort_queued(second)
+    run.assert_clean()
+    assert not loads.waiting
+
+
+def test_a_waiter_whose_loader_left_loads_for_itself_and_a_waiter_never_waits_forever(monkeypatch):
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    first = run.queued_return()
+    loads = run.cache.loads
+    second = run.driver.queue("sibling", PROMPTS[0] + ids(98, 20), kv_hints=run.hint("s7"))
+    third = run.driver.queue("cousin", PROMPTS[0] + ids(97, 20), kv_hints=run.hint("s8"))
+    with run.driver.activated():
+        for _ in range(MAX_WAIT_STEPS):  # the loader is never matched again (a full batch, say)
+            third.init_next_round_input(run.cache)
+        assert third.rid in loads.waiting
+        third.init_next_round_input(run.cache)  # the bound: it goes ahead as it is
+        assert third.rid not in loads.waiting and loads.counters["waits_given_up"] == 1
+        assert not loads.holds_back(third.rid) and third.prefix_len < 300
+        second.init_next_round_input(run.cache)
+        assert second.rid in loads.waiting
+    run.abort_queued(first)  # the loader leaves: its load goes, the entries are free to load again
+    with run.driver.activated():
+        second.init_next_round_input(run.cache)  # issues its own load
+        assert loads.pending(second.rid) and second.rid not in loads.waiting
+        second.init_next_round_input(run.cache)
+    assert second.prefix_len >= 290
+    for req in (second, third):
+        run.abort_queued(req)
+    run.assert_clean()
+    assert not loads.waiting
 
 
 def test_a_load_that_took_memory_the_batch_was_admitted_against_gives_it_back(monkeypatch):

@@ -18,8 +18,9 @@ host copies must come back only at the match that admits it (``Req.init_next_rou
 for every request that keeps waiting.
 
 An AROUND hook on ``PrefillAdder.add_one_req`` skips, for one step, a request whose spilled KV is
-being loaded back by a worker thread (``server/async_load.py``): it returns ``CONTINUE`` without
-adding it, so the scheduler goes on with the rest of the queue and matches it again next step.
+being loaded back by a worker thread (``server/async_load.py``), or that continues into what another
+request's load is bringing back: it returns ``CONTINUE`` without adding it, so the scheduler goes on
+with the rest of the queue and matches it again next step.
 
 An AFTER hook on ``Scheduler.on_idle`` lands eager offloads and prefetches whose copy a worker made
 (``server/host_copies.py``, ``server/async_load.py``): with no batch there is no
@@ -61,6 +62,12 @@ def _around_calc_priority(original, policy, *args, **kwargs):
 
 def _around_add_one_req(original, adder, req, *args, **kwargs):
     loads = getattr(getattr(adder, "tree_cache", None), "loads", None)
+    if loads is not None and loads.waiting and req.rid in loads.waiting:
+        # It continues into what another request's load is bringing back (server/async_load.py): it
+        # holds no slots; skipped this step, it hits those tokens at its next match.
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.CONTINUE
     if loads is not None and loads.pending(req.rid):  # its load was issued by this step's match
         if adder.rem_total_tokens >= 0 and adder.cur_rem_tokens >= 0:
             # Its load-back is being copied (server/async_load.py): skipped this step, admitted at the

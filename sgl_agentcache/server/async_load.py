@@ -32,6 +32,13 @@ aborted while its load is in flight (``release_aborted_request``), a branch clos
 its copy comes back (``abandoned["dropped"]``) and a cache reset drop the copy: it is joined first (the
 worker may still be writing the slots), then the slots are freed.
 
+A request whose key continues into entries another request's load holds (siblings forked together
+reach the scheduler in one step, and the first one's match issued the load of their parent's spilled
+history) is skipped too, rather than admitted to prefill those tokens itself: at its next match they
+are on the device and it hits them (:meth:`AsyncLoads.wait_for_other`, at most
+:data:`MAX_WAIT_STEPS` steps, ``counters["waited_for_other"]``). The real server showed the loss this
+avoids: on ``bench/server_recompute.py``'s trace such siblings recomputed 124-240 tokens each.
+
 ``AGENTCACHE_ASYNC_LOAD``: ``auto`` (default: on for CPU and CUDA pools, see
 ``transfer_worker.CHECKED_DEVICE_TYPES``), ``1``, ``0`` (every host->device copy on the scheduler thread, as before). Eager
 offloads (device->host) copy on a worker too (``AGENTCACHE_ASYNC_OFFLOAD``,
@@ -53,6 +60,9 @@ from sgl_agentcache.server.transfer_worker import TransferWorker, wanted
 
 logger = logging.getLogger(__name__)
 ASYNC_LOAD_ENV = "AGENTCACHE_ASYNC_LOAD"
+#: Scheduler steps a request waits for another request's load-back of what it continues into before
+#: it is admitted as it is (recomputing those tokens): a bound, in case the loader itself keeps waiting.
+MAX_WAIT_STEPS = 4
 
 
 def async_load_wanted(kv_device) -> bool:
@@ -95,17 +105,38 @@ class AsyncLoads:
         self.by_rid: dict[str, _InFlight | _Restoring] = {}
         self.restoring: dict[BranchKey, str] = {}  # branch -> the request its eager restore is copied for
         self.prefetches: dict[BranchKey, _Restoring] = {}  # copies back ahead of a request, in issue order
+        self.waiting: dict[str, int] = {}  # rid -> steps it has waited for another request's load
         device = getattr(cache.token_to_kv_pool_allocator, "device", "cpu")
         self._worker = TransferWorker(device, "agentcache-load")  # its thread starts at the first load
         self.counters = {"issued": 0, "issued_tokens": 0, "finished": 0, "loaded_tokens": 0,
                          "joined_running": 0, "abandoned": {"changed": 0, "no_room": 0, "aborted": 0, "unfinished": 0,
                                                       "reset": 0, "dropped": 0},
                          "restores_issued": 0, "restores_finished": 0, "prefetches_issued": 0,
-                         "prefetches_landed": 0}
+                         "prefetches_landed": 0, "waited_for_other": 0, "waits_given_up": 0}
 
     def pending(self, rid) -> bool:
         """Whether ``rid`` has a load in flight (the scheduler skips it until its next match)."""
         return bool(self.by_rid) and rid in self.by_rid
+
+    def holds_back(self, rid) -> bool:
+        """Whether the scheduler skips ``rid`` this step: its own load is in flight, or it waits for
+        another request's (:meth:`wait_for_other`)."""
+        return (bool(self.by_rid) and rid in self.by_rid) or (bool(self.waiting) and rid in self.waiting)
+
+    def take_waited(self, rid) -> int:
+        """At ``rid``'s admission match: the steps it waited so far (it no longer waits until
+        :meth:`wait_for_other` says so again)."""
+        return self.waiting.pop(rid, 0) if self.waiting else 0
+
+    def wait_for_other(self, rid, waited: int) -> bool:
+        """``rid``'s key continues into entries another request's load holds: skip it this step (True),
+        unless it already waited :data:`MAX_WAIT_STEPS` steps (False: it is admitted as it is)."""
+        if waited >= MAX_WAIT_STEPS:
+            self.counters["waits_given_up"] += 1
+            return False
+        self.waiting[rid] = waited + 1
+        self.counters["waited_for_other"] += 1
+        return True
 
     def in_flight_tokens(self) -> int:
         """Device slots allocated to loads in flight (neither free nor in the tree: the integrity
@@ -192,6 +223,8 @@ class AsyncLoads:
 
     def cancel(self, rid, reason: str = "aborted") -> None:
         """Drop ``rid``'s load (the request left the queue, or the tree was reset)."""
+        if self.waiting:
+            self.waiting.pop(rid, None)
         flight = self.by_rid.pop(rid, None)
         if flight is None:
             return
@@ -211,6 +244,7 @@ class AsyncLoads:
 
     def reset(self) -> None:
         """The tree is being rebuilt empty: every load in flight goes (before the pools are cleared)."""
+        self.waiting.clear()
         for rid in list(self.by_rid):
             self.cancel(rid, "reset")
         for branch in list(self.prefetches):
@@ -218,7 +252,7 @@ class AsyncLoads:
 
     def stats(self) -> dict:
         return {"enabled": self.enabled, "in_flight": len(self.by_rid), "prefetches_in_flight": len(self.prefetches),
-                **self.counters}
+                "waiting": len(self.waiting), **self.counters}
 
     def _copy_back(self, prepared: PreparedRestore) -> _Restoring:
         host = self.cache.pauses.host
@@ -276,4 +310,4 @@ class AsyncLoads:
         self.cache.token_to_kv_pool_allocator.free(load.new)
 
 
-__all__ = ["ASYNC_LOAD_ENV", "AsyncLoads", "async_load_wanted"]
+__all__ = ["ASYNC_LOAD_ENV", "MAX_WAIT_STEPS", "AsyncLoads", "async_load_wanted"]

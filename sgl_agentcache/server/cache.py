@@ -303,6 +303,7 @@ class AgentRadixCache(UnifiedRadixCache):
             return super().match_prefix(params)
         restores = getattr(req, "agentcache_restores", None)
         loads = self.loads
+        waited = loads.take_waited(req.rid)
         if restores is not None:  # what found no room stays pending for the request's next match
             issued_before = loads.pending(req.rid)  # a load-back from its previous match (finished below)
             try:
@@ -319,6 +320,7 @@ class AgentRadixCache(UnifiedRadixCache):
             except Exception:  # noqa: BLE001 - as below: the request recomputes
                 logger.exception("agentcache: finishing the load-back for %s failed; recomputing", req.rid)
                 self.spill.counters["load_errors"] += 1
+                loads.cancel(req.rid, "unfinished")  # what it left in flight goes (else the request waits on it)
             return super().match_prefix(params)
         result = super().match_prefix(params)
         spill = self.spill
@@ -326,6 +328,9 @@ class AgentRadixCache(UnifiedRadixCache):
             try:
                 last = self.tree_core.node_by_id(result.last_device_node)
                 if loads.enabled:  # the copy runs on the worker; the scheduler skips the request this step
+                    if (spill.loading and spill.continues_into_loading(params.key, last, result.device_prefix_len)
+                            and loads.wait_for_other(req.rid, waited)):
+                        return result  # another request's load brings those tokens: skipped, hits them next step
                     loads.issue(req.rid, params.key, last, result.device_prefix_len)
                     return result
                 loaded = spill.load_back(params.key, last, result.device_prefix_len)
@@ -720,6 +725,8 @@ class AgentRadixCache(UnifiedRadixCache):
         _STOCK_ON_RELEASE(self, req, checkpointed=checkpointed)
         if self.loads.pending(req.rid):  # admitted without its next match (a driver without the skip)
             self.loads.cancel(req.rid, "unfinished")
+        elif self.loads.waiting:
+            self.loads.waiting.pop(req.rid, None)
         restores = getattr(req, "agentcache_restores", None)
         if restores is not None and restores[1] is not None:  # it ran (or left) without its own copy
             req.agentcache_restores = None

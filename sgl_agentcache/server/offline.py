@@ -78,6 +78,7 @@ from sglang.srt.runtime_context import SpawnRanks, create_context, get_memory, u
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_agentcache import BACKEND_NAME
+from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
 from sgl_agentcache.server.cache import AgentRadixCache, register_backends
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 
@@ -423,9 +424,12 @@ class OfflineDriver:
             # Scheduler.get_new_batch_prefill: match the prefix (match_kv_cache) ...
             req.init_next_round_input(cache)
             loads = getattr(cache, "loads", None)  # the stock cache has none
-            if loads is not None and loads.pending(req.rid):
-                # ... a load-back went to the worker: the scheduler skips the request this step
-                # (PrefillAdder.add_one_req, the plugin's hook) and matches it again at the next.
+            for _ in range(MAX_WAIT_STEPS + 2):
+                if loads is None or not loads.holds_back(req.rid):
+                    break
+                # ... a load-back went to the worker (its own, or another queued request's that it
+                # continues into): the scheduler skips the request this step (PrefillAdder.add_one_req,
+                # the plugin's hook) and matches it again at the next.
                 cache.flush_pending_backups()
                 req.init_next_round_input(cache)
             # ... PrefillAdder: pick the extend and pin the match (_commit_prefill_admission).

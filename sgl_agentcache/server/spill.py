@@ -339,6 +339,14 @@ class SpillTier:
         self.counters["loaded_tokens"] += loaded
         return loaded
 
+    def continues_into_loading(self, key: RadixKey, last_device_node, device_prefix_len: int) -> bool:
+        """Whether what continues ``key`` past its device match starts with an entry an asynchronous load
+        holds for another request (its slots are being filled; a step later it is on the device)."""
+        if not self.loading:
+            return False
+        chain, _, _ = self._find_chain(key, last_device_node, device_prefix_len, loading=frozenset())
+        return bool(chain) and chain[0] in self.loading
+
     def _find_chain(self, key: RadixKey, last_device_node, device_prefix_len: int, loading=None):
         """The entries to load: the first hangs from a device node on the matched path and reaches past
         the match; each next one is a child of the previous that continues the key, as long as the
