@@ -93,7 +93,7 @@ def test_next_request_of_the_branch_waits_for_its_pause(held):
         first = ingress._around_generate_request(_turn(scheduler.ops, "turn1"), None, _request(tool_class="bash"))
         [item async for item in first]
         nxt = _request()
-        ingress._note_resumes(nxt)  # the BEFORE hook: the tool returned
+        ingress._note_arrivals(nxt)  # the BEFORE hook: the tool returned
         second = ingress._around_generate_request(_turn(scheduler.ops, "turn2"), None, nxt)
         other = ingress._around_generate_request(_turn(scheduler.ops, "other"), None,
                                                  SimpleNamespace(kv_hints=lifecycle_envelope(
@@ -167,5 +167,78 @@ def test_a_fork_of_a_branch_waits_for_its_parents_pause(held):
         await consumer
         assert scheduler.ops.index("pause:done") < scheduler.ops.index("fork:start")
         coordinator.forget(NS, "s1")
+
+    asyncio.run(main())
+
+
+def test_a_pause_ended_by_a_close_lowers_the_next_pauses_resume_probability():
+    """Close likelihood on the HTTP side: a branch closed while paused on a tool counts against that
+    class's resume rate, and the next pause of the class carries the lower probability to the scheduler
+    (a client that does not require the resume halves it further)."""
+    sent: list[dict] = []
+
+    async def send(op: str, args: dict):
+        sent.append(args | {"op": op})
+        return 200, {"paused": True, "action": "keep", "tokens": 64}
+
+    coordinator = PauseCoordinator(send=send, clock=lambda: 0.0)
+
+    async def main():
+        pause = dict(tool_class="subagents", deadline_ms=None, priority=0)
+        await coordinator.pause(NS, "s1", "w0", resume_required=True, **pause)
+        first = sent[-1]["resume_probability"]
+        coordinator.forget(NS, "s1", "w0")  # closed while it waited on its tool
+        await coordinator.pause(NS, "s1", "w1", resume_required=True, **pause)
+        second = sent[-1]["resume_probability"]
+        await coordinator.pause(NS, "s1", "w2", resume_required=False, **pause)
+        assert second < first and sent[-1]["resume_probability"] == pytest.approx(second / 2)
+        await coordinator.pause(NS, "s1", "w3", resume_required=True, tool_class="bash", deadline_ms=None,
+                                priority=0)
+        assert sent[-1]["resume_probability"] == pytest.approx(first)  # another class is unaffected
+        coordinator.forget(NS, "s1")
+
+    asyncio.run(main())
+
+
+def test_a_lead_paused_while_its_subagents_run_waits_on_their_join():
+    """Fork/join on the HTTP side: subagents' lifetimes (first call to close) are learned; a lead that
+    pauses while some run sends their lifetime model and ages (the scheduler prices the join), and a
+    subagent that starts while its lead is paused re-prices the lead's pause."""
+    from sgl_agentcache.policy.join import LIFETIME_CLASS, MIN_LIFETIMES
+
+    now = [0.0]
+    sent: list[dict] = []
+
+    async def send(op: str, args: dict):
+        sent.append(args | {"op": op})
+        return 200, {"paused": True, "action": "offload", "tokens": 64}
+
+    coordinator = PauseCoordinator(send=send, clock=lambda: now[0])
+
+    async def main():
+        for i in range(MIN_LIFETIMES):  # earlier subagents: 4 s each
+            coordinator.note_fork(NS, "s0", f"w{i}", "main")
+            now[0] += 4.0
+            coordinator.finished(NS, "s0", f"w{i}", reason="hint")
+        assert coordinator.book.peek(NS, LIFETIME_CLASS).observations == MIN_LIFETIMES
+        coordinator.note_fork(NS, "s1", "w0", "main")
+        now[0] += 1.0
+        pause = dict(tool_class="subagents", deadline_ms=60_000, priority=0, resume_required=True)
+        await coordinator.pause(NS, "s1", "main", **pause)
+        assert sent[-1]["join_elapsed_s"] == [1.0] and sent[-1]["latency"]["observations"] == MIN_LIFETIMES
+        now[0] += 0.5
+        coordinator.note_fork(NS, "s1", "w1", "main")  # another starts while the lead waits: re-priced
+        await coordinator.settle()
+        assert sent[-1]["op"] == "pause" and sent[-1]["join_elapsed_s"] == [0.0, 1.5]
+        assert sent[-1]["deadline_s"] == pytest.approx(59.5)  # what is left of the lead's deadline
+        assert coordinator.counters["join_pauses"] == 1 and coordinator.counters["join_repriced"] == 1
+        coordinator.note_fork(NS, "s1", "w1", "main")  # a later call of a running subagent: nothing
+        await coordinator.settle()
+        assert coordinator.counters["join_repriced"] == 1
+        await coordinator.pause(NS, "s2", "main", **pause)  # no subagents: the tool class's own model
+        assert "join_elapsed_s" not in sent[-1]
+        coordinator.forget(NS, "s1")
+        coordinator.forget(NS, "s2")
+        assert not coordinator.subagents.running
 
     asyncio.run(main())

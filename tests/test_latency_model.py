@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from sgl_agentcache.policy.distributions import LatencyDistribution, LogNormal, PointMass
-from sgl_agentcache.policy.latency import BookSnapshot, LatencyBook, LatencyConfig, LatencyModel, LatencySnapshot
+from sgl_agentcache.policy.latency import (RESUME_PRIOR, BookSnapshot, LatencyBook, LatencyConfig, LatencyModel,
+                                          LatencySnapshot)
 
 BIN = LatencyConfig().bin_ratio  # ~1.155: quantiles are resolved to within one bin
 
@@ -209,3 +210,35 @@ def test_a_flood_of_tool_classes_never_evicts_another_tenants_model():
         for i in range(16):
             book.observe(f"t{tenant}", f"tool-{i}", 1.0)
     assert ("acme", "ci_run") in book and len(book) == 64
+
+
+def test_the_resume_rate_learns_how_often_a_tools_pauses_end_without_a_resume():
+    """Close likelihood: resumes and ends (the branch closed or aborted while it waited) are counted with
+    the histogram's count decay; the rate starts at its prior and follows the observed share."""
+    fresh = LatencyModel()
+    assert fresh.resume_rate() == pytest.approx(RESUME_PRIOR)
+    always, often_cancelled = LatencyModel(), LatencyModel()
+    for i in range(200):
+        always.observe(0.5)
+        if i % 4 == 0:
+            often_cancelled.observe_end()  # a quarter of its pauses end with their branch
+        else:
+            often_cancelled.observe(0.5)
+    assert always.resume_rate() > 0.99
+    assert often_cancelled.resume_rate() == pytest.approx(0.75, abs=0.03)
+    assert often_cancelled.observations == 150  # an end is not a duration: the histogram is unchanged
+    with pytest.raises(ValueError):
+        fresh.resume_rate(prior=1.5)
+    snap = often_cancelled.snapshot()
+    back = LatencyModel.from_snapshot(msgspec.json.decode(msgspec.json.encode(snap), type=LatencySnapshot))
+    assert back.resume_rate() == often_cancelled.resume_rate()
+    book = LatencyBook()
+    book.observe_end("t", "subagents")
+    assert book.peek("t", "subagents").resume_rate() < RESUME_PRIOR
+
+
+def test_a_snapshot_written_before_the_resume_counts_still_loads():
+    raw = msgspec.to_builtins(LatencyModel().snapshot())
+    del raw["resumed"], raw["ended"]
+    back = LatencyModel.from_snapshot(msgspec.convert(raw, LatencySnapshot))
+    assert back.resumed == back.ended == 0.0 and back.resume_rate() == pytest.approx(RESUME_PRIOR)

@@ -80,3 +80,36 @@ def test_a_passed_deadline_releases_the_spilled_branch_too(server, tokens):
     assert cached == 0  # released on every tier: nothing left to load back
     status, report = server.request("GET", "/agentcache/check")
     assert status == 200 and report["ok"], report
+
+
+def _call(server, ids, extra_key, **hint):
+    body = {"input_ids": ids, "extra_key": extra_key,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True},
+            "kv_hints": lifecycle_envelope(hint, message_id=f"m-{time.monotonic_ns()}")}
+    return server.generate(body)
+
+
+def test_a_lead_paused_while_a_subagent_runs_is_priced_as_a_join(server, tokens):
+    """Fork/join end to end: subagents' lifetimes are learned from their first call to their close; a
+    lead that pauses while one runs is decided on the join (the coordinator sends the lifetime model and
+    the subagent's age, the scheduler builds the JoinWait), and the decision says so."""
+    from sgl_agentcache.policy.join import MIN_LIFETIMES
+
+    key, session = "join", f"lead-{time.monotonic_ns()}"
+    lead = tokens.ids(200)
+    out = _call(server, lead, key, session=session)["output_ids"]
+    context = lead + out
+    for i in range(MIN_LIFETIMES):  # subagents that ran and closed: their lifetimes are learned
+        _call(server, context + tokens.ids(20), key, session=session, branch=f"w{i}", parent_branch="main")
+        _call(server, context + tokens.ids(30), key, session=session, branch=f"w{i}", parent_branch="main",
+              close=True)
+    joins = _stats(server)["coordinator"]["join_pauses"]
+    _call(server, context + tokens.ids(20), key, session=session, branch="running", parent_branch="main")
+    status, paused = server.request("POST", "/agentcache/pause", {"session": session, "extra_key": key,
+                                                                  "tool_class": "subagents"})
+    assert status == 200 and paused["paused"], paused
+    assert _stats(server)["coordinator"]["join_pauses"] == joins + 1
+    status, _ = server.request("POST", "/agentcache/session/close", {"session": session, "extra_key": key})
+    assert status == 200
+    status, report = server.request("GET", "/agentcache/check")
+    assert status == 200 and report["ok"], report

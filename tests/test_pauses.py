@@ -334,15 +334,17 @@ def test_any_failure_of_a_restore_in_the_match_falls_back_to_recompute(where, as
     h.assert_clean()
 
 
-def test_a_failing_restore_of_a_paused_lead_for_its_fork_leaves_the_lead_paused_without_a_copy():
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_failing_restore_of_a_paused_lead_for_its_fork_leaves_the_lead_paused_without_a_copy(async_load):
     """The fork's deferred restore of its paused lead's history raises: the fork recomputes, the lead
     stays paused (its tool still runs) with nothing on host."""
     h = Harness()
+    h.cache.loads.enabled = async_load
     pauses = h.cache.pauses
     lead = ids(0, 200)
     h.turn("p", lead, [3, 4])
     h.pause("p", force=PauseAction.OFFLOAD)
-    armed = _raise_once(pauses, "restore_for_fork")
+    armed = _raise_once(pauses.copies, "prepare_restore") if async_load else _raise_once(pauses, "restore_for_fork")
     fork = h.turn("p", lead + [3, 4] + ids(900, 20), [7], branch="w", parent_branch="main",
                   fork_point_tokens=len(lead) + 2)
     assert not armed["armed"] and fork.cached_tokens == STABLE
@@ -414,11 +416,14 @@ def test_repeated_pause_is_held_by_hysteresis_and_stats_report_it():
     h.assert_clean()
 
 
-def test_a_subagent_restore_brings_back_its_paused_leads_history_first():
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_subagent_restore_brings_back_its_paused_leads_history_first(async_load):
     """A lead is offloaded, a subagent forked from it runs and is offloaded too, then everything
     evictable leaves the device. The subagent's next request brings the lead's copy back first (the
-    lead is still paused: its copy stays on host), then its own on top."""
+    lead is still paused: its copy stays on host), then its own on top. ``async_load``: each copy is
+    made by a worker, one per admission match (the lead's, then the subagent's)."""
     h = Harness(pool_tokens=2048)
+    h.cache.loads.enabled = async_load
     lead_prompt = ids(1, 400)
     h.turn("p", lead_prompt, [5, 6])
     lead = lead_prompt + [5, 6]
@@ -807,4 +812,42 @@ def test_a_waiting_request_is_restored_when_admitted_not_when_ranked(policy):
     assert pauses.host.used_tokens == 0 and branch not in pauses.records
     h.driver.finish(admitted)
     h.driver.finish(h.driver.admit_queued(other))
+    h.assert_clean()
+
+
+def test_forks_matched_in_one_step_share_one_worker_restore_of_their_paused_lead():
+    """Eager mode, asynchronous restores: two subagents of an offloaded lead reach the scheduler in one
+    step. The first one's match issues the copy of the lead's history (the lead stays paused, its copy
+    kept on host); the second's is held back instead of recomputing that history, and both hit it at
+    their next match. One copy, no recompute of the lead's tokens."""
+    h = Harness(pool_tokens=2048)
+    loads, pauses = h.cache.loads, h.cache.pauses
+    assert loads.enabled
+    lead_prompt = ids(1, 400)
+    h.turn("p", lead_prompt, [5, 6])
+    lead = lead_prompt + [5, 6]
+    h.pause("p", force=PauseAction.OFFLOAD)
+
+    def fork(name: str, seed: int):
+        envelope = lifecycle_envelope(hint("p", name, parent_branch="main", fork_point_tokens=len(lead)),
+                                      message_id=name)
+        return h.driver.queue(name, lead + ids(seed, 50), kv_hints=envelope)
+
+    first, second = fork("wa", 11), fork("wb", 12)
+    with h.driver.activated():
+        first.init_next_round_input(h.cache)
+        second.init_next_round_input(h.cache)
+    assert loads.pending("wa") and loads.waiting == {"wb": 1} and loads.copying_back(BranchKey(NS, "p", "main"))
+    with h.driver.activated():  # the next step: the copy lands for the first, the second hits it
+        first.init_next_round_input(h.cache)
+        second.init_next_round_input(h.cache)
+    assert first.prefix_len >= len(lead_prompt) + 1 and second.prefix_len >= len(lead_prompt) + 1
+    assert loads.counters["restores_issued"] == loads.counters["restores_finished"] == 1
+    assert pauses.counters["fork_restores"] == 1 and not loads.waiting
+    record = pauses.records[BranchKey(NS, "p", "main")]
+    assert record.placement.value == "host" and pauses.host.tokens_of(BranchKey(NS, "p", "main")) > 0
+    for req in (first, second):  # they run: admitted, decode, finish
+        h.driver.admit_queued(req)
+        h.driver.extend(req, [9])
+        h.driver.finish(req)
     h.assert_clean()

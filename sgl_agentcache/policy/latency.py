@@ -18,6 +18,13 @@ Cold start: the histogram starts as a log-normal prior (median 2 s, sigma 1.5 by
 Calibration: before each observation updates the model, its PIT value u = F(t) under the current
 model is recorded, decayed like the histogram (see :mod:`.calibration`); a calibrated model gives
 uniform u.
+
+Close likelihood: a pause ends either in a resume (:meth:`LatencyModel.observe`) or with its branch
+ended while it waited -- closed, its session closed, aborted (:meth:`LatencyModel.observe_end`). The
+two outcomes are counted with the same count decay, and :meth:`LatencyModel.resume_rate` is the share
+of resumes, shrunk toward a prior (a Beta posterior mean): the resume probability a pause decision
+uses. A subagent class whose workers are often cancelled mid-tool, or a tool after which agents often
+stop, gets a lower one, so keeping its KV is priced for what it is worth.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from sgl_agentcache.policy.calibration import CalibrationState, CalibrationStats
 from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.distributions import LogNormal, remaining_wait, resume_within
 
-__all__ = ["BookEntry", "BookSnapshot", "LatencyBook", "LatencyConfig", "LatencyModel", "LatencySnapshot"]
+__all__ = ["RESUME_PRIOR", "RESUME_PRIOR_WEIGHT", "BookEntry", "BookSnapshot", "LatencyBook", "LatencyConfig",
+           "LatencyModel", "LatencySnapshot"]
 
 
 class LatencyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -66,6 +74,10 @@ class LatencyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         return math.inf if self.decay == 1.0 else math.log(2.0) / -math.log(self.decay)
 
 
+#: Prior of a tool class's resume rate, and its weight in pauses (how many observed outcomes it counts as).
+RESUME_PRIOR = 0.9
+RESUME_PRIOR_WEIGHT = 5.0
+
 @lru_cache(maxsize=16)
 def _edges(min_s: float, max_s: float, bins_per_decade: int) -> tuple[float, ...]:
     n = max(1, math.ceil(math.log10(max_s / min_s) * bins_per_decade - 1e-9))
@@ -85,6 +97,8 @@ class LatencySnapshot(msgspec.Struct, frozen=True):
     p95_s: float
     p99_s: float
     mean_s: float
+    resumed: float = 0.0  # decayed count of pauses that ended in a resume
+    ended: float = 0.0  # decayed count of pauses whose branch ended instead
 
 
 class LatencyModel:
@@ -102,6 +116,9 @@ class LatencyModel:
         self.weights = [self.config.prior_weight * (b - a) for a, b in zip(cdfs, cdfs[1:])]
         self.observations = 0
         self._cal = CalibrationState()
+        self.resumed = 0.0
+        self.ended = 0.0
+        self._tails: list[float] | None = None  # tails[i] = sum(weights[i:]), rebuilt after a change
 
     # -- learning ---------------------------------------------------------------------------------
     def observe(self, duration_s: float) -> float:
@@ -114,8 +131,26 @@ class LatencyModel:
         if d != 1.0:
             self.weights = [w * d for w in self.weights]
         self.weights[self._bin(duration_s)] += 1.0
+        self._tails = None
         self.observations += 1
+        self._outcome(resumed=True)
         return u
+
+    def observe_end(self) -> None:
+        """A pause on this tool ended without a resume: its branch was closed or aborted while it waited
+        (the duration is censored, so the histogram is left alone)."""
+        self._outcome(resumed=False)
+
+    def _outcome(self, *, resumed: bool) -> None:
+        d = self.config.decay
+        self.resumed, self.ended = self.resumed * d + resumed, self.ended * d + (not resumed)
+
+    def resume_rate(self, prior: float = RESUME_PRIOR, prior_weight: float = RESUME_PRIOR_WEIGHT) -> float:
+        """Share of this tool's pauses that ended in a resume, shrunk toward ``prior`` (Beta posterior
+        mean); the resume probability of the next pause."""
+        if not (0.0 <= prior <= 1.0 and prior_weight > 0.0):
+            raise ValueError("resume_rate needs a prior in [0, 1] and a positive prior weight")
+        return (self.resumed + prior * prior_weight) / (self.resumed + self.ended + prior_weight)
 
     def reset_calibration(self) -> None:
         self._cal = CalibrationState()
@@ -130,27 +165,33 @@ class LatencyModel:
             return 0
         return min(int(math.log(t / self._edges[0]) / self._log_ratio), len(self.weights) - 1)
 
+    def _tail_sums(self) -> list[float]:
+        """sum(weights[i:]) for every i (and 0 past the end), kept until the weights change: cdf and
+        survival are then O(1), which a join of several subagents (policy/join.py) evaluates often."""
+        if self._tails is None:
+            tails, acc = [0.0] * (len(self.weights) + 1), 0.0
+            for i in range(len(self.weights) - 1, -1, -1):
+                acc += self.weights[i]
+                tails[i] = acc
+            tails[0] = math.fsum(self.weights)
+            self._tails = tails
+        return self._tails
+
     def _total(self) -> float:
-        return math.fsum(self.weights)
+        return self._tail_sums()[0]
 
     def cdf(self, t: float) -> float:
-        if t <= self._edges[0]:
-            return 0.0
-        if t >= self._edges[-1]:
-            return 1.0
-        i = self._bin(t)
-        head = math.fsum(self.weights[:i]) + self.weights[i] * math.log(t / self._edges[i]) / self._log_ratio
-        return min(head / self._total(), 1.0)
+        return 1.0 - self.survival(t)
 
     def survival(self, t: float) -> float:
         if t <= self._edges[0]:
             return 1.0
         if t >= self._edges[-1]:
             return 0.0
+        tails = self._tail_sums()
         i = self._bin(t)
         partial = self.weights[i] * math.log(self._edges[i + 1] / t) / self._log_ratio
-        tail = math.fsum(self.weights[i + 1:]) + partial
-        return min(tail / self._total(), 1.0)
+        return min(max((tails[i + 1] + partial) / tails[0], 0.0), 1.0)
 
     def quantile(self, q: float) -> float:
         if q <= 0.0:
@@ -203,7 +244,8 @@ class LatencyModel:
         p50, p95, p99 = self.tail()
         return LatencySnapshot(config=self.config, prior=self.prior, observations=self.observations,
                                weights=list(self.weights), calibration=self._cal.copy(),
-                               p50_s=p50, p95_s=p95, p99_s=p99, mean_s=self.mean())
+                               p50_s=p50, p95_s=p95, p99_s=p99, mean_s=self.mean(),
+                               resumed=self.resumed, ended=self.ended)
 
     @classmethod
     def from_snapshot(cls, snap: LatencySnapshot) -> "LatencyModel":
@@ -211,8 +253,10 @@ class LatencyModel:
         if len(snap.weights) != len(model.weights):
             raise ValueError("latency snapshot does not match its config's bins")
         model.weights = list(snap.weights)
+        model._tails = None
         model.observations = snap.observations
         model._cal = snap.calibration.copy()
+        model.resumed, model.ended = snap.resumed, snap.ended
         return model
 
 
@@ -288,6 +332,10 @@ class LatencyBook:
     def observe(self, tenant: str, tool_class: str, duration_s: float) -> float:
         """Record a completed tool call; returns its PIT value (see :meth:`LatencyModel.observe`)."""
         return self.model(tenant, tool_class).observe(duration_s)
+
+    def observe_end(self, tenant: str, tool_class: str) -> None:
+        """A pause on this tool ended with its branch (see :meth:`LatencyModel.observe_end`)."""
+        self.model(tenant, tool_class).observe_end()
 
     def forget_namespace(self, tenant: str) -> int:
         """Drop every model learned for ``tenant`` (a purge); returns how many went."""

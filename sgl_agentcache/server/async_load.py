@@ -13,7 +13,9 @@ the chain inserted, and the request matched and admitted with it.
 
 An eager pause's restore for the branch's next request goes the same way
 (:meth:`AsyncLoads.issue_restore`: ``HostCopies.prepare_restore`` allocates the slots and holds the
-prefix, the next match inserts with ``HostCopies.finish_restore`` and ends the pause). A prefetch
+prefix, the next match inserts with ``HostCopies.finish_restore`` and ends the pause), and so does a
+fork's restore of its paused parent's history (which leaves the parent paused; a sibling fork that
+needs it too waits for it to land, as for a load-back). A prefetch
 ("the tool is nearly done", :meth:`AsyncLoads.issue_prefetch`) belongs to no request: it lands at a
 later scheduler step (:meth:`AsyncLoads.land_prefetches`; a busy step lands only copies already made
 on every rank, an idle poll waits), or as soon as anything touches the branch (:meth:`AsyncLoads.settle`:
@@ -43,8 +45,7 @@ avoids: on ``bench/server_recompute.py``'s trace such siblings recomputed 124-24
 ``transfer_worker.CHECKED_DEVICE_TYPES``), ``1``, ``0`` (every host->device copy on the scheduler thread, as before). Eager
 offloads (device->host) copy on a worker too (``AGENTCACHE_ASYNC_OFFLOAD``,
 :mod:`~sgl_agentcache.server.host_copies`). The resume route's restore (``/agentcache/resume`` on an offloaded
-branch, before its request comes) lands like a prefetch. Still on the scheduler thread: a fork's
-restore of its paused lead's history.
+branch, before its request comes) lands like a prefetch.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class _Restoring:
     prepared: PreparedRestore
     future: Future  # -> seconds the copy took
     seconds: float = 0.0
+    for_fork: bool = False  # a paused parent's history for its fork's request: the parent stays paused
 
     @property
     def slots(self) -> int:
@@ -156,10 +158,13 @@ class AsyncLoads:
         self.counters["issued_tokens"] += len(load.new)
         return True
 
-    def issue_restore(self, rid, prepared: PreparedRestore) -> None:
+    def issue_restore(self, rid, prepared: PreparedRestore, *, for_fork: bool = False) -> None:
         """Copy an eager pause's host copy back for request ``rid`` (its slots allocated and its prefix
-        held by ``HostCopies.prepare_restore(hold=True)``); finished at the request's next match."""
-        self.by_rid[rid] = self._copy_back(prepared)
+        held by ``HostCopies.prepare_restore(hold=True)``); finished at the request's next match. With
+        ``for_fork`` it is a paused parent's copy that a fork needs: landing it does not end the pause."""
+        flight = self._copy_back(prepared)
+        flight.for_fork = for_fork
+        self.by_rid[rid] = flight
         self.restoring[prepared.branch] = rid
         self.counters["restores_issued"] += 1
 
@@ -232,8 +237,8 @@ class AsyncLoads:
             branch = flight.prepared.branch
             self.restoring.pop(branch, None)
             self._abandon(flight, reason)
-            if reason != "dropped":  # its request ran or left without it; the pause ends, recomputed
-                self.cache.pauses.end_resume(branch, abandoned=True)
+            if reason != "dropped" and not flight.for_fork:  # its request ran or left without it: the
+                self.cache.pauses.end_resume(branch, abandoned=True)  # pause ends, recomputed
             return
         self._join(flight)  # the worker may still be writing the slots
         spill = self.cache.spill
@@ -262,7 +267,10 @@ class AsyncLoads:
         branch = flight.prepared.branch
         self.restoring.pop(branch, None)
         restored = self._insert(flight)
-        self.cache.pauses.end_resume(branch)
+        if flight.for_fork:
+            self.cache.pauses.fork_restore_landed(branch, restored)
+        else:
+            self.cache.pauses.end_resume(branch)
         self.counters["restores_finished"] += 1
         return restored
 

@@ -120,6 +120,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.invalid_hints = 0
         self.adopted_tokens = 0  # siblings' scratch a request reused, made the session's history
         self.inferred_orphans = 0  # inferred forks run without their parent (it was unknown or closed)
+        self.shared_prefill_waits = 0  # steps requests waited for another's prefill of their stable prefix
         # Each branch's last finished context, so a fork whose hint gives no fork point still charges
         # the parent's history it recomputes to the parent (fork_points.py).
         self.contexts = BranchContexts()
@@ -195,7 +196,7 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def branch_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is
-        not counted: it is bounded by the pause caps, and a write-through copy duplicates device nodes.
+        not counted: it is bounded by the pause caps, and a fork-driven restore keeps it beside device nodes.
         Nor are its low-value spilled entries (spilled over quota into free room, first to go)."""
         return self.tree_core.owned_count.get(branch, 0) + self.spill.charged_tokens.get(branch, 0)
 
@@ -304,24 +305,28 @@ class AgentRadixCache(UnifiedRadixCache):
         restores = getattr(req, "agentcache_restores", None)
         loads = self.loads
         waited = loads.take_waited(req.rid)
-        if restores is not None:  # what found no room stays pending for the request's next match
-            issued_before = loads.pending(req.rid)  # a load-back from its previous match (finished below)
-            try:
-                req.agentcache_restores = self.pauses.restore_for_request(*restores, rid=req.rid)
-            except Exception:  # noqa: BLE001 - a broken restore must not take the scheduler down
-                logger.exception("agentcache: restoring host copies for %s failed; recomputing", req.rid)
-                req.agentcache_restores = None
-                self.pauses.abandon_restores(*restores)
-            if not issued_before and loads.pending(req.rid):  # its copy went to a worker: skipped, finished next
-                return super().match_prefix(params)
-        if loads.pending(req.rid):  # issued at its previous admission match: insert it, then match
+        if loads.pending(req.rid):  # a copy issued at its previous admission match: insert it first
             try:
                 loads.finish(req.rid)
             except Exception:  # noqa: BLE001 - as below: the request recomputes
                 logger.exception("agentcache: finishing the load-back for %s failed; recomputing", req.rid)
                 self.spill.counters["load_errors"] += 1
                 loads.cancel(req.rid, "unfinished")  # what it left in flight goes (else the request waits on it)
-            return super().match_prefix(params)
+            if restores is None:
+                return super().match_prefix(params)
+        if restores is not None:  # what found no room stays pending for the request's next match
+            try:
+                req.agentcache_restores = restores = self.pauses.restore_for_request(*restores, rid=req.rid)
+            except Exception:  # noqa: BLE001 - a broken restore must not take the scheduler down
+                logger.exception("agentcache: restoring host copies for %s failed; recomputing", req.rid)
+                req.agentcache_restores = None
+                self.pauses.abandon_restores(*restores)
+                restores = None
+            if loads.pending(req.rid):  # its copy went to a worker: skipped, finished at its next match
+                return super().match_prefix(params)
+            if (restores is not None and restores[0] is not None and loads.copying_back(restores[0])
+                    and loads.wait_for_other(req.rid, waited)):
+                return super().match_prefix(params)  # its paused parent is being copied back for a sibling
         result = super().match_prefix(params)
         spill = self.spill
         if spill.lru and result.device_prefix_len < len(params.key):
@@ -819,6 +824,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "over_quota_branches": sum(self.over_quota(b) for b in core.owner_index),
             "invalid_hints": self.invalid_hints,
             "inferred_orphans": self.inferred_orphans,
+            "shared_prefill_waits": self.shared_prefill_waits,
             "inferred_fork_points": self.inferred_fork_points,
             "adopted_shared_tokens": self.adopted_tokens,
             "context_edit_freed_tokens": self.context_edit_freed_tokens,

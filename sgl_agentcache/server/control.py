@@ -135,9 +135,12 @@ def _branch(args: dict):
 @op("pause")
 def _pause(scheduler, args: dict) -> dict:
     """Decide and apply a tool pause. ``latency`` is the sender's snapshot of the tool class's model
-    (the clock-dependent input, identical on every rank); ``force`` applies an action as given."""
+    (the clock-dependent input, identical on every rank); with ``join_elapsed_s`` (a lead waiting on
+    running subagents, their ages) it is their lifetime model, and the pause waits on the join
+    (``policy/join.py``); ``force`` applies an action as given."""
     import msgspec
 
+    from sgl_agentcache.policy.join import MAX_CHILDREN, JoinWait
     from sgl_agentcache.policy.latency import LatencyModel, LatencySnapshot
     from sgl_agentcache.policy.pause import PauseAction
 
@@ -148,6 +151,17 @@ def _pause(scheduler, args: dict) -> dict:
     latency = None
     if args.get("latency") is not None:
         latency = LatencyModel.from_snapshot(msgspec.convert(args["latency"], LatencySnapshot))
+    if args.get("join_elapsed_s") is not None:
+        try:
+            ages = msgspec.convert(args["join_elapsed_s"], list[float])
+        except msgspec.ValidationError as exc:
+            raise CtlError(400, f"join_elapsed_s: {exc}") from None
+        if latency is None or not 0 < len(ages) <= MAX_CHILDREN:
+            raise CtlError(400, f"join_elapsed_s needs a latency model and 1..{MAX_CHILDREN} subagent ages")
+        try:
+            latency = JoinWait(latency, ages)
+        except ValueError as exc:
+            raise CtlError(400, str(exc)) from None
     force = PauseAction(args["force"]) if args.get("force") else None
     result = cache.pauses.pause(
         branch, latency, tool_class=args.get("tool_class", "default"), force=force, caps=args.get("caps"),

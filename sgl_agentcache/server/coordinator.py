@@ -5,7 +5,13 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
 
 - the tool class's latency distribution (a :class:`~sgl_agentcache.policy.latency.LatencyBook` per
   (namespace, tool class), learned from the observed pause -> resume times) travels as a snapshot with
-  each pause;
+  each pause, with the class's learned resume rate (how often such a pause ended with its branch
+  closed instead: the close likelihood);
+- fork/join: a lead that pauses while subagents of its branch run waits for the last of them
+  (:class:`~sgl_agentcache.policy.join.Subagents` learns subagents' lifetimes, first call to close);
+  its pause then carries the lifetime model and each running subagent's age (``join_elapsed_s``), from
+  which the scheduler prices the join (:class:`~sgl_agentcache.policy.join.JoinWait`). A subagent that
+  starts while its lead is paused re-prices the lead's pause the same way;
 - deadlines are timers here: when one fires, an ``expire`` message releases the branch on every tier.
   ``deadline_ms`` is clipped to ``AGENTCACHE_MAX_RETENTION_S`` (default 600 s), and a pause with no
   deadline gets that maximum: no tool may hold memory forever;
@@ -42,6 +48,7 @@ from typing import Awaitable, Callable
 import msgspec
 
 from sgl_agentcache.policy.distributions import LogNormal
+from sgl_agentcache.policy.join import Subagents
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.server.event_log import EventLog
 from sgl_agentcache.tenancy import session_label
@@ -74,6 +81,7 @@ class _Active:
     started: float
     timer: asyncio.Task | None = None
     nearly_done_at: float | None = None
+    reprice: dict = field(default_factory=dict)  # what a re-pricing of the pause sends again
 
 
 @dataclass
@@ -91,8 +99,9 @@ class PauseCoordinator:
         self.leads: deque[float] = deque(maxlen=32)
         self.measured: dict = {}  # rank 0's measured transfer bandwidths, relayed in every pause message
         self.pending: dict[tuple[str, str, str], asyncio.Task] = {}  # background pauses not yet applied
+        self.subagents = Subagents(self.book)
         self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
-                         "deadline_clipped": 0, "prefetch_refused_lead": 0}
+                         "deadline_clipped": 0, "prefetch_refused_lead": 0, "join_pauses": 0, "join_repriced": 0}
 
     def _count(self, event: str) -> None:
         self.counters[event] += 1
@@ -159,11 +168,17 @@ class PauseCoordinator:
             deadline_s = deadline_ms / 1000
         # peek, not model: a pause the scheduler refuses must not create (or refresh) a book entry.
         model = self.book.peek(namespace, tool_class)
-        args = self._args(*key) | {
-            "tool_class": tool_class, "latency": msgspec.to_builtins(model.snapshot()), "deadline_s": deadline_s,
-            "priority": priority, "resume_probability": 1.0 if resume_required else 0.5}
+        # The class's learned resume rate (close likelihood, policy/latency.py); a client that does not
+        # require the resume halves it (it can only lower what the server learned).
+        kept = {"deadline_s": deadline_s, "priority": priority,
+                "resume_probability": model.resume_rate() * (1.0 if resume_required else 0.5)}
         if ceilings is not None and ceilings.caps():
-            args["caps"] = ceilings.caps()
+            kept["caps"] = ceilings.caps()
+        args = self._args(*key) | {"tool_class": tool_class, "latency": msgspec.to_builtins(model.snapshot())} | kept
+        joined = self._join_args(key)
+        if joined:
+            args |= joined
+            self._count("join_pauses")
         if self.measured:
             args["measured"] = dict(self.measured)
         status, result = await self.send("pause", args)
@@ -176,7 +191,7 @@ class PauseCoordinator:
         if clipped:
             self._count("deadline_clipped")
         if result.get("paused"):
-            active = self.active[key] = _Active(tool_class, self.clock())
+            active = self.active[key] = _Active(tool_class, self.clock(), reprice=kept)
             active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
         self._emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
                          retained_tokens=result.get("tokens"), reason=result.get("reason"),
@@ -223,6 +238,46 @@ class PauseCoordinator:
                          restored_tokens=result.get("restored_tokens"), expected_remaining_ms=expected_remaining_ms)
         return status, result
 
+    def _join_args(self, key) -> dict:
+        """The pause message's fields for a lead with running subagents: the learned lifetime model as its
+        latency and each subagent's age (the scheduler builds the JoinWait); {} when there is no join."""
+        join = self.subagents.join(*key, self.clock())
+        if join is None:
+            return {}
+        return {"latency": msgspec.to_builtins(join.lifetime.snapshot()), "join_elapsed_s": list(join.elapsed)}
+
+    def note_fork(self, namespace: str, session: str, branch: str, lead: str) -> None:
+        """A request of subagent ``branch`` of ``lead`` arrived (ingress). Its first starts its lifetime;
+        if the lead is paused, its pause is re-priced as a join (in the background)."""
+        if not self.subagents.started(namespace, session, branch, lead, self.clock()):
+            return
+        lead_key = (namespace, session, lead)
+        if lead_key in self.active and lead_key not in self.pending:
+            self.pending[lead_key] = task = asyncio.get_running_loop().create_task(self._reprice(lead_key))
+            task.add_done_callback(lambda done: self.pending.pop(lead_key) if self.pending.get(lead_key) is done
+                                   else None)
+
+    async def _reprice(self, key) -> None:
+        """Send a paused lead's pause again, now as a join on its running subagents (the scheduler
+        re-decides against its previous decision, with hysteresis). Its timers and event log are kept."""
+        active = self.active.get(key)
+        args = self._join_args(key)
+        if active is None or not args:
+            return
+        elapsed = self.clock() - active.started
+        message = self._args(*key) | {"tool_class": active.tool_class} | active.reprice | args
+        message["deadline_s"] = max(active.reprice["deadline_s"] - elapsed, 0.0)
+        if self.measured:
+            message["measured"] = dict(self.measured)
+        try:
+            status, _ = await self.send("pause", message)
+        except Exception:  # noqa: BLE001 - the pause stands as it was
+            logger.warning("agentcache: re-pricing the pause of %s/%s failed", session_label(key[1]), key[2],
+                           exc_info=True)
+            return
+        if status == 200:
+            self._count("join_repriced")
+
     def note_request(self, namespace: str, session: str, branch: str) -> None:
         """The branch's next request arrived (ingress): the tool returned (a pause still pending is
         applied first, then resumed)."""
@@ -231,10 +286,17 @@ class PauseCoordinator:
             asyncio.get_running_loop().create_task(self.resume(namespace, session, branch, by_request=True))
 
     def forget(self, namespace: str, session: str | None = None, branch: str | None = None) -> None:
-        """A branch (or session) closed: its timers go."""
+        """A branch (or session) closed: its timers go, and each pause it ended counts against its tool
+        class's resume rate (the close likelihood). A closed subagent's lifetime is learned."""
         for key in [k for k in self.active if k[0] == namespace and k[1] == session
                     and (branch is None or k[2] == branch)]:
+            self.book.observe_end(namespace, self.active[key].tool_class)
             self._cancel(key)
+        if branch is None:
+            self.subagents.session_ended(namespace, session)
+        else:
+            self.subagents.ended(namespace, session, branch, self.clock())
+            self.subagents.lead_ended(namespace, session, branch)
 
     def finished(self, namespace: str, session: str, branch: str | None = None, *, state: str = "completed",
                  reason: str = "route") -> None:
@@ -249,6 +311,7 @@ class PauseCoordinator:
         keys = [k for k in self.active if k[0] == namespace]
         for key in keys:
             self._cancel(key)
+        self.subagents.namespace_ended(namespace)
         self.book.forget_namespace(namespace)
         return len(keys)
 

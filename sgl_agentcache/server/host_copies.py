@@ -262,12 +262,11 @@ class HostCopies:
             node = node.parent
         return lead_in[::-1]
 
-    def offload(self, branch: BranchKey, evict: bool = True) -> int | None:
-        """Copy the movable suffix (with its lead-in, see :meth:`_lead_in`) to host and (``evict``) free
-        the suffix's device slots; returns the tokens freed (or copied, without ``evict``), None if it
-        could not be stored.
+    def offload(self, branch: BranchKey) -> int | None:
+        """Copy the movable suffix (with its lead-in, see :meth:`_lead_in`) to host and free the suffix's
+        device slots; returns the tokens freed, None if it could not be stored.
 
-        With ``AGENTCACHE_ASYNC_OFFLOAD`` (and ``evict``) the copy is made by a worker thread (on CUDA,
+        With ``AGENTCACHE_ASYNC_OFFLOAD`` the copy is made by a worker thread (on CUDA,
         on its own stream) and the call returns at once, the tokens it *will* free: the host entry is
         reserved, the suffix stays in the tree (ranked first for eviction) and is freed when the copy
         lands (:meth:`land`: at the scheduler's next step, or before anything else touches the branch).
@@ -292,7 +291,7 @@ class HostCopies:
         key = chain[-1].key
         self.drop(branch)
         moved = sum(len(n.key) for n in chain)
-        if evict and self.async_offload:
+        if self.async_offload:
             return self._offload_async(branch, chain, copied, (tokens, key.extra_key, key.cache_salt, start, segments),
                                        indices, moved)
         failure = None
@@ -311,8 +310,6 @@ class HostCopies:
         # The anchor (protected while the copy exists) is the node the suffix hangs from, not the top
         # of the lead-in: the lead-in is insurance against losing it, not a reason to protect more.
         self._hang(entry, chain[0].parent)
-        if not evict:
-            return moved
         return self._free_suffix(branch, chain, moved)
 
     def _offload_async(self, branch: BranchKey, chain: list, copied: list, where: tuple, indices,
@@ -341,7 +338,7 @@ class HostCopies:
 
     def land(self, branch: BranchKey | None = None, *, evict: bool = True, wait: bool = True) -> list[BranchKey]:
         """Finish the offloads in flight (all, or ``branch``'s): join each copy, store it, and free the
-        suffix (without ``evict`` it stays on the device too, as after a write-through copy). Returns
+        suffix (without ``evict`` it stays on the device too: the branch continued before its copy landed). Returns
         the branches whose copy failed (here or on another rank): their host entry is gone and the
         caller discards them. Runs at points in the message order, the same on every rank.
 

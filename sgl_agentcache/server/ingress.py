@@ -159,7 +159,7 @@ def _before_generate_request(tokenizer_manager, obj, *args, **kwargs):
     auth.bind_generate(obj, request, inferred=inferred)
     queue_priority(tokenizer_manager, obj, request)
     if getattr(obj, "kv_hints", None):
-        _note_resumes(obj)
+        _note_arrivals(obj)
     return None
 
 
@@ -185,41 +185,50 @@ def queue_priority(tokenizer_manager, obj, request=None) -> None:
             obj.priority = sign * asked["priority"]
 
 
-def _branch_keys(obj, parents: bool = False) -> list[tuple[str, str, str]]:
-    """(namespace, session, branch) of every lifecycle hint of a (validated, bound) request; with
-    ``parents``, of the branches its forks fork from too."""
+def _hinted(obj) -> list[tuple[str, object]]:
+    """(namespace, lifecycle hint) of every hinted prompt of a (validated, bound) request."""
     from sgl_agentcache.lifecycle import namespace_key
 
     envelopes = obj.kv_hints if isinstance(obj.kv_hints, list) else [obj.kv_hints]
-    keys = []
+    out = []
     for i, envelope in enumerate(envelopes):
         hint = find_lifecycle_hint(envelope)
         if hint is None:
             continue
         pick = lambda v: v[i] if isinstance(v, list) else v  # noqa: E731 - batched requests carry lists
-        namespace = namespace_key(pick(getattr(obj, "extra_key", None)), pick(getattr(obj, "cache_salt", None)))
+        out.append((namespace_key(pick(getattr(obj, "extra_key", None)), pick(getattr(obj, "cache_salt", None))),
+                    hint))
+    return out
+
+
+def _branch_keys(obj, parents: bool = False) -> list[tuple[str, str, str]]:
+    """(namespace, session, branch) of every lifecycle hint of a (validated, bound) request; with
+    ``parents``, of the branches its forks fork from too."""
+    keys = []
+    for namespace, hint in _hinted(obj):
         keys.append((namespace, hint.session, hint.branch))
         if parents and hint.parent_branch is not None:
             keys.append((namespace, hint.session, hint.parent_branch))
     return keys
 
 
-def _note_resumes(obj) -> None:
-    """A request of a paused branch means its tool returned: tell the pause coordinator (its clock)."""
+def _note_arrivals(obj) -> None:
+    """Tell the pause coordinator (its clock) what a request's arrival means: a paused branch's tool
+    returned; a subagent's first call starts its lifetime (what its paused lead waits on)."""
     from sgl_agentcache.server.http import coordinator
 
-    if not coordinator.active and not coordinator.pending:
-        return
-    for key in _branch_keys(obj):
-        coordinator.note_request(*key)
+    for namespace, hint in _hinted(obj):
+        if hint.is_fork:
+            coordinator.note_fork(namespace, hint.session, hint.branch, hint.parent_branch)
+        if coordinator.active or coordinator.pending:
+            coordinator.note_request(namespace, hint.session, hint.branch)
 
 
 def _watched(obj) -> tuple | None:
     """(namespace, hint) when a single request's end matters to the coordinator: it pauses on a tool
     (``tool_class``), it closes its branch (``close``), or it is a fork whose abort cancels the branch
-    (watched only while the event log is on: the abort itself is handled by the scheduler)."""
+    (the abort itself is handled by the scheduler; the coordinator learns the subagent's lifetime)."""
     from sgl_agentcache.lifecycle import namespace_key
-    from sgl_agentcache.server.http import coordinator
 
     if not getattr(obj, "kv_hints", None) or isinstance(obj.kv_hints, list):
         return None
@@ -227,7 +236,7 @@ def _watched(obj) -> tuple | None:
         hint = find_lifecycle_hint(obj.kv_hints)
     except HintError:
         return None  # the validation hook rejects it
-    if hint is None or not (hint.tool_class or hint.close or (hint.is_fork and coordinator.events.path)):
+    if hint is None or not (hint.tool_class or hint.close or hint.is_fork):
         return None
     single = lambda v: v if not isinstance(v, list) else None  # noqa: E731
     return namespace_key(single(getattr(obj, "extra_key", None)), single(getattr(obj, "cache_salt", None))), hint

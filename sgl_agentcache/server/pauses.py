@@ -207,8 +207,10 @@ class PauseBook:
         ``measured`` is the sender's copy of rank 0's :meth:`measured` bandwidths (message data, so
         every rank decides with the same figures); used when ``use_measured_bandwidth`` is on."""
         record = self.records.get(branch)
-        suffix = self.copies.movable_suffix(branch)
-        tokens = sum(len(n.key) for n in suffix)
+        if self.lazy:  # advice covers whatever of the branch eviction may later take: all it owns
+            tokens = self.cache.tree_core.owned_count.get(branch, 0)
+        else:  # an applied decision moves the movable suffix
+            tokens = sum(len(n.key) for n in self.copies.movable_suffix(branch))
         placement = Placement.DEVICE
         previous = None
         if record is not None:
@@ -236,12 +238,9 @@ class PauseBook:
             placement=placement, previous=previous, host_displaced_s=displaced)
 
     def pause(self, branch: BranchKey, latency: LatencyDistribution | None = None, *, tool_class: str = "default",
-              force: PauseAction | None = None, write_through: bool = False, caps: dict | None = None,
-              **inputs) -> dict:
+              force: PauseAction | None = None, caps: dict | None = None, **inputs) -> dict:
         """Decide and apply. ``force`` (baselines, tests) skips the policy; a pause of a branch that is
-        already paused re-evaluates it (hysteresis against the previous decision). ``write_through``
-        (with OFFLOAD; the HiCache-style baselines) copies to host but leaves the device copy to the
-        eviction policy: the resume loads back only what was evicted meanwhile. ``caps`` (a tenant's
+        already paused re-evaluates it (hysteresis against the previous decision). ``caps`` (a tenant's
         ceilings, from the HTTP side) can only lower the server-wide ``max_kept_*`` caps."""
         if branch in self.cache.closed:
             self.counters["refused_closed"] += 1
@@ -252,13 +251,16 @@ class PauseBook:
                 raise ValueError("pause needs a latency distribution unless the action is forced")
             decision = decide(self.inputs(branch, latency, **inputs), self.settings.policy)
             action = decision.action
-            if action is PauseAction.RELEASE and decision.inputs.retained_tokens < self.settings.policy.min_tokens \
-                    and branch not in self.records:
+            if action is PauseAction.RELEASE and decision.inputs.retained_tokens < self.settings.policy.min_tokens:
                 # Too small to be worth a decision: not tracked, and left to ordinary eviction (freeing
-                # it would only cost a re-prefill if the branch comes back).
+                # it would only cost a re-prefill if the branch comes back). A branch already paused
+                # keeps its pause as it is: its device suffix can be small because what it holds is
+                # elsewhere (on host, or under its subagents' nodes when a join re-prices it), and
+                # releasing would drop that on every tier.
                 self.counters["too_small"] += 1
-                return {"paused": False, "action": "none", "tokens": decision.inputs.retained_tokens,
-                        "branch": branch.to_dict(), "tool_class": tool_class, "reason": decision.reason}
+                return {"paused": branch in self.records, "action": "none",
+                        "tokens": decision.inputs.retained_tokens, "branch": branch.to_dict(),
+                        "tool_class": tool_class, "reason": decision.reason}
         else:
             action = force
             self.counters["forced"] += 1
@@ -269,14 +271,7 @@ class PauseBook:
             return self._advise(branch, tool_class, action, decision)
         if record is not None and record.advice is not None:  # a lazy pause becomes an applied one
             self.cache.spill.advise(branch, None)
-        if write_through:
-            if action is not PauseAction.OFFLOAD:
-                raise ValueError("write_through applies to OFFLOAD only")
-            moved = self.copies.offload(branch, evict=False)
-            applied = PauseAction.OFFLOAD if moved is not None else PauseAction.KEEP
-            moved = moved or 0
-        else:
-            applied, moved = self._apply(branch, action, placement, caps)
+        applied, moved = self._apply(branch, action, placement, caps)
         tokens = self.host.tokens_of(branch) if applied is PauseAction.OFFLOAD else moved
         self.counters["decisions"][applied.value] += 1
         if applied is PauseAction.RELEASE:
@@ -459,18 +454,25 @@ class PauseBook:
         scheduler cannot admit the request either until room appears. Returns the ``(parent, own)``
         still to restore, or None when nothing is left.
 
-        With asynchronous loads (``AGENTCACHE_ASYNC_LOAD``) and the request's ``rid``, ``own``'s copy
-        is made by a worker: this match allocates the slots and issues it, the scheduler skips the
-        request for the step, and its next match inserts the copy and ends the pause
-        (``AsyncLoads.finish``)."""
-        if parent is not None and self.restore_for_fork(parent, defer=True) is not None:
-            parent = None
+        With asynchronous loads (``AGENTCACHE_ASYNC_LOAD``) and the request's ``rid``, each copy is made
+        by a worker, one per match: the match allocates the slots and issues it, the scheduler skips the
+        request for the step, and its next match inserts the copy (the parent's first, ``own``'s at the
+        match after, which ends the pause; ``AsyncLoads.finish``). A parent being copied back for a
+        sibling fork already stays pending here (the cache holds the request back until it lands)."""
+        loads = self.cache.loads
+        asynchronous = rid is not None and loads.enabled
+        if parent is not None:
+            if asynchronous:
+                parent = self._issue_fork_restore(parent, rid)
+            elif self.restore_for_fork(parent, defer=True) is not None:
+                parent = None
         if own is not None:
             record = self.records.get(own)
-            loads = self.cache.loads
             if record is None or not record.resuming:  # closed, expired or paused afresh meanwhile
                 own = None
-            elif rid is not None and loads.enabled:
+            elif asynchronous and (parent is not None or loads.pending(rid)):
+                pass  # one copy in flight per request: ``own``'s is issued at its next match
+            elif asynchronous:
                 prepared = self.copies.prepare_restore(own, defer=True, hold=True)
                 if isinstance(prepared, PreparedRestore):
                     loads.issue_restore(rid, prepared)  # its finish ends the pause
@@ -516,6 +518,34 @@ class PauseBook:
                         branch.session, branch.branch)
         self.records.pop(branch)
         self.copies.drop(branch)  # already gone unless abandoned
+
+    def _issue_fork_restore(self, parent: BranchKey, rid: str) -> BranchKey | None:
+        """:meth:`restore_for_fork` with the copy made by a worker for request ``rid`` (it lands at the
+        request's next match, :meth:`fork_restore_landed`). Returns ``parent`` while it is still to do
+        (no room yet, or being copied back for a sibling), None when issued or nothing is left to do."""
+        record = self.records.get(parent)
+        if record is None or record.placement is not Placement.HOST:
+            return None
+        loads = self.cache.loads
+        if loads.copying_back(parent):
+            return parent
+        prepared = self.copies.prepare_restore(parent, keep_host=True, defer=True, hold=True)
+        if prepared is None:
+            return parent
+        if isinstance(prepared, PreparedRestore):
+            loads.issue_restore(rid, prepared, for_fork=True)
+            return None
+        self.fork_restore_landed(parent, prepared)  # nothing to copy (all resident, or a gap): done
+        return None
+
+    def fork_restore_landed(self, parent: BranchKey, restored: int) -> None:
+        """A fork's restore of its paused parent's history is in the tree (``restored`` tokens; 0 when
+        it failed): the parent stays paused, on host too while its copy is kept."""
+        record = self.records.get(parent)
+        if record is not None and parent not in self.host.entries:
+            record.placement = Placement.NONE
+        if restored:
+            self.counters["fork_restores"] += 1
 
     def restore_for_fork(self, parent: BranchKey, defer: bool = False) -> int | None:
         """A new fork of a paused parent needs the parent's history: bring a host copy back now. The

@@ -75,6 +75,8 @@ class PauseView:
     queue_s: float  # mean queueing delay of recent returning calls that had lost KV
     memoryfulness: float  # Continuum's eta from finished sessions (1 before there are any)
     host_tokens: int  # host tier capacity (0: nothing can be offloaded)
+    join: object | None = None  # a lead with running subagents: their JoinWait (policy/join.py), for rules
+    # that price joins (``prices_joins``)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class PauseOrder:
     prefetch_after_s: float | None = None  # bring the branch's KV back this long after the pause
     prefetch_evicts: bool = False  # the prefetch may evict (else: free memory only)
     next_use_in_s: float | None = None  # for NextUseRanking (clairvoyant)
+    resume_probability: float = 1.0  # with ``latency``: the policy's resume probability (close likelihood)
 
 
 NOTHING = PauseOrder()
@@ -128,12 +131,18 @@ class ReplayPolicy:
 # ---- ours ----
 
 class OursRule:
-    """Our pause policy decides (the cache's ``decide`` with the learned distribution); a prefetch at
-    the tool class's learned median, one transfer early, into free memory only."""
+    """Our pause policy decides (the cache's ``decide`` with the learned distribution and the class's
+    learned resume rate, as the server's coordinator sends them; a lead with running subagents waits on
+    their join, and is re-priced when another starts); a prefetch at the wait's learned median, one
+    transfer early, into free memory only."""
+
+    prices_joins = True
 
     def __call__(self, view: PauseView, future: Future | None) -> PauseOrder:
-        median = view.latency.quantile(0.5)
-        return PauseOrder(latency=view.latency, prefetch_after_s=max(median - view.transfer_s, 0.0))
+        wait = view.join if view.join is not None else view.latency
+        median = wait.quantile(0.5)
+        return PauseOrder(latency=wait, prefetch_after_s=max(median - view.transfer_s, 0.0),
+                          resume_probability=view.latency.resume_rate())
 
 
 # ---- B2 InferCept ----

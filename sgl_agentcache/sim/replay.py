@@ -45,6 +45,7 @@ import msgspec
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.policy.join import Subagents
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.causality import cross_branch_prerequisites
@@ -261,6 +262,8 @@ class _Run:
                 s.max_kept_branches = s.max_kept_tokens = 1 << 40
         self.rule = policy.pause_rule() if policy.pause_rule is not None else None
         self.book = LatencyBook()
+        self.subagents = Subagents(self.book)  # subagents' lifetimes, for a lead's join (policy/join.py)
+        self.prices_joins = getattr(self.rule, "prices_joins", False)
         self.observed: dict[tuple[str, str], list[float]] = {}
         self.observed_all: dict[str, list[float]] = {}
         self.tokens = _token_book(trace, vocab_size)
@@ -415,6 +418,11 @@ class _Run:
                     request = msgspec.structs.replace(request, parent_branch=None, fork_point_tokens=None)
                     self.inferred_orphans += 1
             cache.seen.add(own)
+            if request.parent_branch is not None and self.subagents.started(
+                    request.tenant, request.session, request.branch, request.parent_branch, now):
+                lead = BranchKey(own.namespace, own.session, request.parent_branch)
+                if self.prices_joins and lead in self.paused:
+                    self.reprice(lead, request.tenant, now)
         self.received[trace_key] = self.received.get(trace_key, 0) + 1
         return request
 
@@ -462,6 +470,8 @@ class _Run:
         self.answered(request, now)
         branch = self.branch(request)
         self.last_call[branch] = request
+        if request.close:
+            self.branch_ended(request.tenant, request.session, request.branch, now)
         session = (request.tenant, request.session)
         self.session_calls[session] = self.session_calls.get(session, 0) + 1
         if self.agent and request.tool is not None and self.rule is not None:
@@ -514,8 +524,10 @@ class _Run:
         pauses = self.cache.pauses
         tokens = sum(len(n.key) for n in pauses.copies.movable_suffix(branch))
         p = self.profile
+        join = self.subagents.join(request.tenant, request.session, request.branch, now) \
+            if self.prices_joins else None
         view = PauseView(
-            now=now, tokens=tokens, latency=self.book.model(request.tenant, tool.tool_class),
+            now=now, tokens=tokens, latency=self.book.model(request.tenant, tool.tool_class), join=join,
             observations=self.observed.get((request.tenant, tool.tool_class), []),
             all_observations=self.observed_all.get(request.tenant, []),
             prefill_s=p.prefill_s(tokens), transfer_s=tokens * p.kv_bytes_per_token / p.h2d_bytes_per_s,
@@ -529,7 +541,8 @@ class _Run:
             self.ranking.next_use[branch] = now + order.next_use_in_s
         if order.action is not None or order.latency is not None:
             with self.driver.activated():
-                pauses.pause(branch, order.latency, tool_class=tool.tool_class, force=order.action)
+                pauses.pause(branch, order.latency, tool_class=tool.tool_class, force=order.action,
+                             resume_probability=order.resume_probability)
             if branch in pauses.copies.offloading:  # an asynchronous offload: it lands when the link has
                 # carried the copy (or earlier, at the next step a call's decode runs): a call of the
                 # branch before then keeps its device KV and the copy is dropped (HostCopies.cancel_offload)
@@ -539,6 +552,23 @@ class _Run:
             self.push(now + order.unpin_after_s, "unpin", branch)
         if order.prefetch_after_s is not None:
             self.push(now + order.prefetch_after_s, "prefetch", (branch, order.prefetch_evicts))
+
+    def reprice(self, lead: BranchKey, tenant: str, now: float) -> None:
+        """A subagent of paused ``lead`` started: the lead's pause is decided again as a join on its
+        running subagents, as the server's coordinator re-prices it (a rule that prices joins only)."""
+        join = self.subagents.join(tenant, lead.session, lead.branch, now)
+        if join is None or lead not in self.cache.pauses.records:
+            return
+        tool_class = self.paused[lead][1]
+        with self.driver.activated():
+            self.cache.pauses.pause(lead, join, tool_class=tool_class,
+                                    resume_probability=self.book.peek(tenant, tool_class).resume_rate())
+
+    def branch_ended(self, tenant: str, session: str, branch: str, now: float) -> None:
+        """A branch closed or was aborted: as a subagent its lifetime is learned; as a lead, nothing
+        waits on its subagents any more."""
+        self.subagents.ended(tenant, session, branch, now)
+        self.subagents.lead_ended(tenant, session, branch)
 
     def on_unpin(self, branch: BranchKey) -> None:
         record = self.cache.pauses.records.get(branch)
@@ -615,8 +645,14 @@ class _Run:
             else:  # the baselines never close anything on device; a paused copy is dropped
                 for b in branches:
                     cache.pauses.forget(b)
+        if event.kind == "close_session":
+            self.subagents.session_ended(event.tenant, event.session)
+        else:
+            self.branch_ended(event.tenant, event.session, event.branch, now)
         for b in branches:
-            self.paused.pop(b, None)
+            paused = self.paused.pop(b, None)
+            if paused is not None:  # ended while it waited on its tool: counts against its resume rate
+                self.book.observe_end(event.tenant, paused[1])
             if self.future is not None:
                 self.ranking.next_use[b] = math.inf
 
