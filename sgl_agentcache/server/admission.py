@@ -20,7 +20,13 @@ for every request that keeps waiting.
 An AROUND hook on ``PrefillAdder.add_one_req`` skips, for one step, a request whose spilled KV is
 being loaded back by a worker thread (``server/async_load.py``), or that continues into what another
 request's load is bringing back: it returns ``CONTINUE`` without adding it, so the scheduler goes on
-with the rest of the queue and matches it again next step.
+with the rest of the queue and matches it again next step. It also skips a hinted request whose
+declared stable prefix (a system prompt and tool schema the harness says every session shares) is
+not cached yet while a request admitted in the same step computes it: sessions that start together
+would otherwise each prefill the same prompt in one batch; one computes it, the others hit it at the
+next step (at least :data:`MIN_SHARED_PREFILL_TOKENS` of it missing, at most
+:data:`~sgl_agentcache.server.async_load.MAX_WAIT_STEPS` steps; ``shared_prefill_waits`` in the stats).
+Unhinted traffic is scheduled as stock SGLang schedules it.
 
 An AFTER hook on ``Scheduler.on_idle`` lands eager offloads and prefetches whose copy a worker made
 (``server/host_copies.py``, ``server/async_load.py``): with no batch there is no
@@ -32,6 +38,11 @@ rank is idle at the same loop iteration (same messages, same batches), so they l
 from __future__ import annotations
 
 from sgl_agentcache.lifecycle import BranchKey
+from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
+
+#: Tokens of a request's declared stable prefix that must be missing from the cache, and being computed
+#: by a request admitted in the same step, before it waits a step to hit them instead.
+MIN_SHARED_PREFILL_TOKENS = 64
 
 
 def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs):
@@ -60,8 +71,28 @@ def _around_calc_priority(original, policy, *args, **kwargs):
         return original(policy, *args, **kwargs)
 
 
+def _computes_my_stable_prefix(adder, req) -> bool:
+    """A request admitted in this step (``adder.can_run_list``) computes the stable prefix ``req``
+    declared and lacks (at least :data:`MIN_SHARED_PREFILL_TOKENS` of it): the same tokens, in the
+    same namespace, not cached for it either."""
+    plan = getattr(req, "agentcache_plan", None)
+    stable = plan.stable_end if plan is not None else 0
+    if stable - req.prefix_len < MIN_SHARED_PREFILL_TOKENS or not adder.can_run_list:
+        return False
+    mine = None
+    for other in adder.can_run_list:
+        if (other.prefix_len >= stable or len(other.origin_input_ids) < stable or other.extra_key != req.extra_key
+                or other.cache_salt != req.cache_salt):
+            continue
+        mine = list(req.origin_input_ids[:stable]) if mine is None else mine
+        if list(other.origin_input_ids[:stable]) == mine:
+            return True
+    return False
+
+
 def _around_add_one_req(original, adder, req, *args, **kwargs):
-    loads = getattr(getattr(adder, "tree_cache", None), "loads", None)
+    cache = getattr(adder, "tree_cache", None)
+    loads = getattr(cache, "loads", None)
     if loads is not None and loads.waiting and req.rid in loads.waiting:
         # It continues into what another request's load is bringing back (server/async_load.py): it
         # holds no slots; skipped this step, it hits those tokens at its next match.
@@ -79,6 +110,13 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
         # against (their budget is free + evictable memory at admission): give them back, and the
         # request is added (or not) as it is, recomputing what it lacks, as a load-back without room does.
         loads.cancel(req.rid, "no_room")
+    elif loads is not None and getattr(req, "agentcache_prefill_waits", 0) < MAX_WAIT_STEPS \
+            and _computes_my_stable_prefix(adder, req):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        req.agentcache_prefill_waits = getattr(req, "agentcache_prefill_waits", 0) + 1
+        cache.shared_prefill_waits += 1
+        return AddReqResult.CONTINUE
     return original(adder, req, *args, **kwargs)
 
 
