@@ -242,3 +242,49 @@ def test_a_lead_paused_while_its_subagents_run_waits_on_their_join():
         assert not coordinator.subagents.running
 
     asyncio.run(main())
+
+
+def test_an_idle_branch_is_priced_as_a_pause_on_idle_and_its_gap_is_learned():
+    """Session idleness on the HTTP side: a branch answered without a tool or a close is idle; the sweep
+    pauses it on the implicit tool ``@idle`` once it has been idle past its namespace's usual gap, with
+    its idle time as elapsed and no deadline (advice only); its next request resumes it and the whole
+    gap is learned."""
+    from sgl_agentcache.policy.idle import DEFAULT_AFTER_S, IDLE_CLASS
+
+    now = [0.0]
+    sent: list[dict] = []
+
+    async def send(op: str, args: dict):
+        sent.append(args | {"op": op})
+        return 200, {"paused": True, "action": "offload", "tokens": 64}
+
+    coordinator = PauseCoordinator(send=send, clock=lambda: now[0], idle_sweep_s=0.001)
+
+    async def main():
+        coordinator.note_answered(NS, "s1", "main")
+        await asyncio.sleep(0.01)
+        assert not sent  # not idle long enough yet
+        now[0] = DEFAULT_AFTER_S + 5.0
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if sent:
+                break
+        await coordinator.settle()
+        pause = sent[-1]
+        assert pause["op"] == "pause" and pause["tool_class"] == IDLE_CLASS and pause["deadline_s"] is None
+        assert pause["elapsed_s"] == pytest.approx(DEFAULT_AFTER_S + 5.0)
+        assert coordinator.counters["idle_pauses"] == 1 and KEY in coordinator.active
+        assert coordinator.active[KEY].timer is None  # never released for being idle
+        now[0] = 100.0
+        coordinator.note_request(NS, "s1", "main")  # it came back: resumed, the 100 s gap learned
+        await asyncio.sleep(0.01)
+        assert KEY not in coordinator.active
+        gaps = coordinator.book.peek(NS, IDLE_CLASS)
+        from sgl_agentcache.policy.latency import LatencyModel
+
+        assert gaps.observations == 1 and gaps.survival(50.0) > 2 * LatencyModel().survival(50.0)  # ~100 s
+        coordinator.note_answered(NS, "s1", "main")
+        coordinator.forget(NS, "s1")  # a close forgets it
+        assert not coordinator.idle.since
+
+    asyncio.run(main())

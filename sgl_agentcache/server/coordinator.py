@@ -12,6 +12,11 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
   its pause then carries the lifetime model and each running subagent's age (``join_elapsed_s``), from
   which the scheduler prices the join (:class:`~sgl_agentcache.policy.join.JoinWait`). A subagent that
   starts while its lead is paused re-prices the lead's pause the same way;
+- session idleness: a branch answered without pausing on a tool or closing waits on something unseen
+  (:class:`~sgl_agentcache.policy.idle.IdleBranches` learns those gaps per namespace); a sweep every
+  :data:`IDLE_SWEEP_S` pauses a branch idle past its namespace's usual gap on the implicit tool
+  ``@idle``, with its idle time as ``elapsed``: advice only, no deadline (nothing is released for
+  being idle);
 - deadlines are timers here: when one fires, an ``expire`` message releases the branch on every tier.
   ``deadline_ms`` is clipped to ``AGENTCACHE_MAX_RETENTION_S`` (default 600 s), and a pause with no
   deadline gets that maximum: no tool may hold memory forever;
@@ -48,6 +53,7 @@ from typing import Awaitable, Callable
 import msgspec
 
 from sgl_agentcache.policy.distributions import LogNormal
+from sgl_agentcache.policy.idle import IDLE_CLASS, IdleBranches
 from sgl_agentcache.policy.join import Subagents
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.server.event_log import EventLog
@@ -59,6 +65,8 @@ MIN_LEAD_ENV = "AGENTCACHE_PREFETCH_MIN_LEAD_MS"
 EVENT_LOG_ENV = "AGENTCACHE_EVENT_LOG"
 #: JSON object: tool class -> {"median_s": ..., "sigma": ...}, the operator's cold-start prior per class.
 TOOL_PRIORS_ENV = "AGENTCACHE_TOOL_PRIORS"
+#: Seconds between two sweeps for idle branches (see IdleBranches); "0" turns idle pricing off.
+IDLE_SWEEP_ENV = "AGENTCACHE_IDLE_SWEEP_S"
 
 
 def tool_priors_from_env() -> dict[str, LogNormal]:
@@ -91,6 +99,7 @@ class PauseCoordinator:
     min_lead_s: float = field(default_factory=lambda: float(os.environ.get(MIN_LEAD_ENV, 1)) / 1000)
     clock: Callable[[], float] = time.monotonic
     book: LatencyBook = field(default_factory=lambda: LatencyBook(priors=tool_priors_from_env()))
+    idle_sweep_s: float = field(default_factory=lambda: float(os.environ.get(IDLE_SWEEP_ENV, 2)))
     events: EventLog = field(default_factory=lambda: EventLog(os.environ.get(EVENT_LOG_ENV)))
 
     def __post_init__(self) -> None:
@@ -100,8 +109,11 @@ class PauseCoordinator:
         self.measured: dict = {}  # rank 0's measured transfer bandwidths, relayed in every pause message
         self.pending: dict[tuple[str, str, str], asyncio.Task] = {}  # background pauses not yet applied
         self.subagents = Subagents(self.book)
+        self.idle = IdleBranches(self.book)
+        self._sweeper: asyncio.Task | None = None
         self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
-                         "deadline_clipped": 0, "prefetch_refused_lead": 0, "join_pauses": 0, "join_repriced": 0}
+                         "deadline_clipped": 0, "prefetch_refused_lead": 0, "join_pauses": 0, "join_repriced": 0,
+                         "idle_pauses": 0}
 
     def _count(self, event: str) -> None:
         self.counters[event] += 1
@@ -154,9 +166,12 @@ class PauseCoordinator:
             await asyncio.wait(tasks)
 
     async def pause(self, namespace: str, session: str, branch: str, *, tool_class: str, deadline_ms: int | None,
-                    priority: int, resume_required: bool, ceilings=None) -> tuple[int, dict]:
+                    priority: int, resume_required: bool, ceilings=None, idle_since: float | None = None
+                    ) -> tuple[int, dict]:
         """``ceilings`` (a tenant's :class:`~sgl_agentcache.tenancy.Ceilings`) can only lower the
-        maximum retention and the scheduler's caps on kept branches and tokens."""
+        maximum retention and the scheduler's caps on kept branches and tokens. ``idle_since``: an
+        idle branch's pause on ``@idle`` (the sweep's), idle since then: priced with that much elapsed,
+        no deadline."""
         key = (namespace, session, branch)
         await self.settle((key,))  # an earlier background pause of the branch is applied first
         max_retention = self.max_retention_s
@@ -172,6 +187,8 @@ class PauseCoordinator:
         # require the resume halves it (it can only lower what the server learned).
         kept = {"deadline_s": deadline_s, "priority": priority,
                 "resume_probability": model.resume_rate() * (1.0 if resume_required else 0.5)}
+        if idle_since is not None:  # advice only: an idle session is never released for being idle
+            kept |= {"deadline_s": None, "elapsed_s": max(self.clock() - idle_since, 0.0)}
         if ceilings is not None and ceilings.caps():
             kept["caps"] = ceilings.caps()
         args = self._args(*key) | {"tool_class": tool_class, "latency": msgspec.to_builtins(model.snapshot())} | kept
@@ -191,8 +208,10 @@ class PauseCoordinator:
         if clipped:
             self._count("deadline_clipped")
         if result.get("paused"):
-            active = self.active[key] = _Active(tool_class, self.clock(), reprice=kept)
-            active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
+            started = self.clock() if idle_since is None else idle_since  # a resume learns the whole gap
+            active = self.active[key] = _Active(tool_class, started, reprice=kept)
+            if idle_since is None:
+                active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
         self._emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
                          retained_tokens=result.get("tokens"), reason=result.get("reason"),
                          deadline_s=deadline_s)
@@ -266,7 +285,8 @@ class PauseCoordinator:
             return
         elapsed = self.clock() - active.started
         message = self._args(*key) | {"tool_class": active.tool_class} | active.reprice | args
-        message["deadline_s"] = max(active.reprice["deadline_s"] - elapsed, 0.0)
+        if active.reprice.get("deadline_s") is not None:
+            message["deadline_s"] = max(active.reprice["deadline_s"] - elapsed, 0.0)
         if self.measured:
             message["measured"] = dict(self.measured)
         try:
@@ -279,11 +299,33 @@ class PauseCoordinator:
             self._count("join_repriced")
 
     def note_request(self, namespace: str, session: str, branch: str) -> None:
-        """The branch's next request arrived (ingress): the tool returned (a pause still pending is
-        applied first, then resumed)."""
+        """The branch's next request arrived (ingress): the tool returned, or its idle spell ended (a
+        pause still pending is applied first, then resumed)."""
         key = (namespace, session, branch)
+        self.idle.arrived(namespace, session, branch, self.clock())
         if key in self.active or key in self.pending:
             asyncio.get_running_loop().create_task(self.resume(namespace, session, branch, by_request=True))
+
+    def note_answered(self, namespace: str, session: str, branch: str) -> None:
+        """A call of the branch was answered and it neither paused on a tool nor closed: it is idle
+        from now (the sweep prices it once it has been idle past its namespace's usual gap)."""
+        if self.idle_sweep_s <= 0:
+            return
+        self.idle.answered(namespace, session, branch, self.clock())
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
+
+    async def _sweep_idle(self) -> None:
+        """Every ``idle_sweep_s`` while any branch is idle: pause the ones due on ``@idle``."""
+        while self.idle.since:
+            await asyncio.sleep(self.idle_sweep_s)
+            for (namespace, session, branch), since, _ in self.idle.due(self.clock()):
+                key = (namespace, session, branch)
+                if key in self.active or key in self.pending:
+                    continue
+                self._count("idle_pauses")
+                self.pause_soon(namespace, session, branch, tool_class=IDLE_CLASS, deadline_ms=None, priority=0,
+                                resume_required=True, idle_since=since)
 
     def forget(self, namespace: str, session: str | None = None, branch: str | None = None) -> None:
         """A branch (or session) closed: its timers go, and each pause it ended counts against its tool
@@ -292,6 +334,7 @@ class PauseCoordinator:
                     and (branch is None or k[2] == branch)]:
             self.book.observe_end(namespace, self.active[key].tool_class)
             self._cancel(key)
+        self.idle.ended(namespace, session, branch)
         if branch is None:
             self.subagents.session_ended(namespace, session)
         else:
@@ -312,6 +355,7 @@ class PauseCoordinator:
         for key in keys:
             self._cancel(key)
         self.subagents.namespace_ended(namespace)
+        self.idle.namespace_ended(namespace)
         self.book.forget_namespace(namespace)
         return len(keys)
 
@@ -340,6 +384,7 @@ class PauseCoordinator:
         models = {f"{t}/{c}": {"observations": m.observations, "p50_s": m.quantile(0.5), "p99_s": m.quantile(0.99)}
                   for (t, c), m in self.book.items()[-32:]}
         return {"active_pauses": len(self.active), **self.counters, "latency_models": models,
+                "idle_branches": len(self.idle.since),
                 "prefetch_lead_median_s": statistics.median(self.leads) if self.leads else None,
                 "max_retention_s": self.max_retention_s, "event_log": self.events.path,
                 "events_written": self.events.written, "events_dropped": self.events.dropped + self.events.failed}

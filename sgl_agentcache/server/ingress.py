@@ -214,20 +214,21 @@ def _branch_keys(obj, parents: bool = False) -> list[tuple[str, str, str]]:
 
 def _note_arrivals(obj) -> None:
     """Tell the pause coordinator (its clock) what a request's arrival means: a paused branch's tool
-    returned; a subagent's first call starts its lifetime (what its paused lead waits on)."""
+    returned, or an idle branch's gap ended; a subagent's first call starts its lifetime (what its
+    paused lead waits on)."""
     from sgl_agentcache.server.http import coordinator
 
     for namespace, hint in _hinted(obj):
         if hint.is_fork:
             coordinator.note_fork(namespace, hint.session, hint.branch, hint.parent_branch)
-        if coordinator.active or coordinator.pending:
-            coordinator.note_request(namespace, hint.session, hint.branch)
+        coordinator.note_request(namespace, hint.session, hint.branch)
 
 
 def _watched(obj) -> tuple | None:
-    """(namespace, hint) when a single request's end matters to the coordinator: it pauses on a tool
-    (``tool_class``), it closes its branch (``close``), or it is a fork whose abort cancels the branch
-    (the abort itself is handled by the scheduler; the coordinator learns the subagent's lifetime)."""
+    """(namespace, hint) of a single hinted request, whose end the coordinator acts on: it pauses on a
+    tool (``tool_class``), it closes its branch (``close``), it is a fork whose abort cancels the
+    branch (the abort itself is handled by the scheduler; the coordinator learns the subagent's
+    lifetime), or it leaves its branch idle."""
     from sgl_agentcache.lifecycle import namespace_key
 
     if not getattr(obj, "kv_hints", None) or isinstance(obj.kv_hints, list):
@@ -236,7 +237,7 @@ def _watched(obj) -> tuple | None:
         hint = find_lifecycle_hint(obj.kv_hints)
     except HintError:
         return None  # the validation hook rejects it
-    if hint is None or not (hint.tool_class or hint.close or hint.is_fork):
+    if hint is None:
         return None
     single = lambda v: v if not isinstance(v, list) else None  # noqa: E731
     return namespace_key(single(getattr(obj, "extra_key", None)), single(getattr(obj, "cache_salt", None))), hint
@@ -287,6 +288,8 @@ async def _on_finish(gen, namespace: str, hint):
             coordinator.pause_soon(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
                                    deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
                                    resume_required=True, ceilings=ceilings)
+        elif finish is not None and not aborted:
+            coordinator.note_answered(namespace, hint.session, hint.branch)
         yield item
 
 

@@ -137,6 +137,7 @@ class OursRule:
     transfer early, into free memory only."""
 
     prices_joins = True
+    prices_idle = True
 
     def __call__(self, view: PauseView, future: Future | None) -> PauseOrder:
         wait = view.join if view.join is not None else view.latency

@@ -45,6 +45,7 @@ import msgspec
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.policy.idle import IDLE_CLASS, IdleBranches
 from sgl_agentcache.policy.join import Subagents
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.policy.profiles import Profile
@@ -264,6 +265,9 @@ class _Run:
         self.book = LatencyBook()
         self.subagents = Subagents(self.book)  # subagents' lifetimes, for a lead's join (policy/join.py)
         self.prices_joins = getattr(self.rule, "prices_joins", False)
+        # Session idleness (policy/idle.py): a branch answered without a tool or a close is paused on
+        # the implicit tool ``@idle`` once idle past its namespace's usual gap, as the server's sweep does.
+        self.idle = IdleBranches(self.book) if getattr(self.rule, "prices_idle", False) else None
         self.observed: dict[tuple[str, str], list[float]] = {}
         self.observed_all: dict[str, list[float]] = {}
         self.tokens = _token_book(trace, vocab_size)
@@ -418,6 +422,8 @@ class _Run:
                     request = msgspec.structs.replace(request, parent_branch=None, fork_point_tokens=None)
                     self.inferred_orphans += 1
             cache.seen.add(own)
+            if self.idle is not None:
+                self.idle.arrived(request.tenant, request.session, request.branch, now)
             if request.parent_branch is not None and self.subagents.started(
                     request.tenant, request.session, request.branch, request.parent_branch, now):
                 lead = BranchKey(own.namespace, own.session, request.parent_branch)
@@ -472,6 +478,9 @@ class _Run:
         self.last_call[branch] = request
         if request.close:
             self.branch_ended(request.tenant, request.session, request.branch, now)
+        elif request.tool is None and self.idle is not None:
+            self.idle.answered(request.tenant, request.session, request.branch, now)
+            self.push(now + self.idle.after_s(request.tenant), "idle_check", None)
         session = (request.tenant, request.session)
         self.session_calls[session] = self.session_calls.get(session, 0) + 1
         if self.agent and request.tool is not None and self.rule is not None:
@@ -552,6 +561,20 @@ class _Run:
             self.push(now + order.unpin_after_s, "unpin", branch)
         if order.prefetch_after_s is not None:
             self.push(now + order.prefetch_after_s, "prefetch", (branch, order.prefetch_evicts))
+
+    def price_idle(self, now: float) -> None:
+        """The server's idle sweep: branches idle past their namespace's usual gap are paused on
+        ``@idle`` with their idle time as elapsed (advice only: no deadline)."""
+        for (tenant, session, name), since, idle_s in self.idle.due(now):
+            branch = BranchKey(namespace_key(tenant, None), session, name)
+            if branch in self.paused or branch in self.cache.closed:
+                continue
+            model = self.idle.model(tenant)
+            with self.driver.activated():
+                result = self.cache.pauses.pause(branch, model, tool_class=IDLE_CLASS, elapsed_s=idle_s,
+                                                 resume_probability=model.resume_rate())
+            if result.get("paused"):
+                self.paused[branch] = (since, IDLE_CLASS, self.owned_on_device(branch))
 
     def reprice(self, lead: BranchKey, tenant: str, now: float) -> None:
         """A subagent of paused ``lead`` started: the lead's pause is decided again as a join on its
@@ -649,6 +672,8 @@ class _Run:
             self.subagents.session_ended(event.tenant, event.session)
         else:
             self.branch_ended(event.tenant, event.session, event.branch, now)
+        if self.idle is not None:
+            self.idle.ended(event.tenant, event.session, None if event.kind == "close_session" else event.branch)
         for b in branches:
             paused = self.paused.pop(b, None)
             if paused is not None:  # ended while it waited on its tool: counts against its resume rate
@@ -749,6 +774,8 @@ class _Run:
                 self.drain(now)
             elif kind == "idle":
                 self.on_idle(now)
+            elif kind == "idle_check":
+                self.price_idle(now)
             elif kind == "done":
                 self.on_done(payload, now)
             elif kind == "unpin":

@@ -1,0 +1,105 @@
+"""Session idleness: a branch whose call was answered and that neither paused on a tool nor closed is
+waiting on something the server cannot see (the user, the harness). Its KV is priced like a tool pause
+on an implicit tool, :data:`IDLE_CLASS`, once it has been idle for a while (pure: the caller passes
+the time, so the HTTP side's clock and the replay's model clock drive the same code).
+
+The gaps between a branch's answered call and its next call are learned per namespace in the same
+:class:`~sgl_agentcache.policy.latency.LatencyBook` as tool latencies (pseudo tool class
+:data:`IDLE_CLASS`; clients cannot name a tool class like it). A branch idle past
+:meth:`IdleBranches.after_s` -- the learned gaps' :data:`PRICE_QUANTILE` quantile once
+:data:`MIN_GAPS` are known, :data:`DEFAULT_AFTER_S` before -- is *due*: the caller pauses it on
+:data:`IDLE_CLASS` with ``elapsed`` = its idle time, and the pause decision conditions the learned gap
+distribution on that (the longer a session has been idle, the longer it is expected to stay idle: its
+KV is worth less per byte, and its advice moves toward offload or discard). Such a pause is advice only:
+it never releases anything on a deadline (an idle session that returns finds whatever memory pressure
+left of it). Its next call resumes it, which teaches the book that gap; a gap that ends before the
+branch is due is learned at its next call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+__all__ = ["DEFAULT_AFTER_S", "IDLE_CLASS", "MIN_GAPS", "PRICE_QUANTILE", "IdleBranches"]
+
+#: The pseudo tool class of idle gaps in a LatencyBook (hints validate tool classes against
+#: ``[A-Za-z0-9._:-]``, so no client can name it).
+IDLE_CLASS = "@idle"
+#: Gaps a namespace must have shown before its own quantile sets when a branch is due.
+MIN_GAPS = 8
+#: A branch is due once idle longer than this quantile of its namespace's gaps...
+PRICE_QUANTILE = 0.9
+#: ...or, before that, than this many seconds.
+DEFAULT_AFTER_S = 60.0
+#: Idle branches tracked at once (the least recently answered are forgotten past it).
+LIMIT = 65_536
+
+Key = tuple  # (namespace, session, branch)
+
+
+class IdleBranches:
+    """Branches answered and waiting for their next call, and the gaps learned from them."""
+
+    def __init__(self, book, limit: int = LIMIT):
+        self.book = book
+        self.limit = limit
+        self.since: OrderedDict[Key, float] = OrderedDict()  # idle branch -> when its call was answered
+        self.priced: set[Key] = set()  # due ones already handed out (paused on IDLE_CLASS)
+
+    def answered(self, namespace: str, session: str, branch: str, now: float) -> None:
+        """A call of the branch was answered and it did not pause on a tool or close: idle from now."""
+        key = (namespace, session, branch)
+        self.since.pop(key, None)
+        self.priced.discard(key)
+        self.since[key] = now
+        while len(self.since) > self.limit:
+            old, _ = self.since.popitem(last=False)
+            self.priced.discard(old)
+
+    def arrived(self, namespace: str, session: str, branch: str, now: float) -> float | None:
+        """The branch's next call arrived: returns the gap, learned here unless the branch was due and
+        paused (then the pause's resume learns it), or None when it was not idle."""
+        key = (namespace, session, branch)
+        started = self.since.pop(key, None)
+        if started is None:
+            return None
+        gap = max(now - started, 0.0)
+        if key in self.priced:
+            self.priced.discard(key)
+        else:
+            self.book.observe(namespace, IDLE_CLASS, gap)
+        return gap
+
+    def after_s(self, namespace: str) -> float:
+        """How long a branch of ``namespace`` is idle before it is due."""
+        if (namespace, IDLE_CLASS) in self.book:
+            model = self.book.peek(namespace, IDLE_CLASS)
+            if model.observations >= MIN_GAPS:
+                return model.quantile(PRICE_QUANTILE)
+        return DEFAULT_AFTER_S
+
+    def due(self, now: float) -> list[tuple[Key, float, float]]:
+        """Branches idle past :meth:`after_s` and not handed out yet, as ``(key, answered at, idle s)``;
+        each is handed out once per idle spell."""
+        out = []
+        for key, started in self.since.items():
+            if key not in self.priced and now - started >= self.after_s(key[0]):
+                self.priced.add(key)
+                out.append((key, started, now - started))
+        return out
+
+    def model(self, namespace: str):
+        """The namespace's learned gap distribution (its prior until gaps are seen)."""
+        return self.book.peek(namespace, IDLE_CLASS)
+
+    def ended(self, namespace: str, session: str, branch: str | None = None) -> None:
+        """A branch (or, with ``branch`` None, every branch of a session) closed."""
+        for key in [k for k in self.since if k[0] == namespace and k[1] == session
+                    and (branch is None or k[2] == branch)]:
+            del self.since[key]
+            self.priced.discard(key)
+
+    def namespace_ended(self, namespace: str) -> None:
+        for key in [k for k in self.since if k[0] == namespace]:
+            del self.since[key]
+            self.priced.discard(key)
