@@ -282,7 +282,7 @@ async def _close(namespace: str, session: str, branch: str, reason: str) -> None
     from sgl_agentcache.server.http import _send, coordinator
 
     await coordinator.settle([(namespace, session, branch)])
-    if (namespace, session, branch) in coordinator.active:  # paused meanwhile: not idle after all
+    if (namespace, session, branch) in coordinator.on_tools():  # paused on a tool meanwhile: not idle after all
         return
     status, result = await _send("branch_close", {"namespace": namespace, "session": session, "branch": branch})
     if status == 200:
@@ -299,7 +299,7 @@ async def _sweep_forever() -> None:
         await asyncio.sleep(period)
         try:
             with _lock:
-                closing = state.idle(time.monotonic(), busy=coordinator.active)
+                closing = state.idle(time.monotonic(), busy=coordinator.on_tools())
                 bounded, _to_close[:] = list(_to_close), []
             for item in bounded:
                 await _close(*item, reason="bounds")

@@ -306,6 +306,11 @@ class PauseCoordinator:
         if key in self.active or key in self.pending:
             asyncio.get_running_loop().create_task(self.resume(namespace, session, branch, by_request=True))
 
+    def on_tools(self) -> list[tuple[str, str, str]]:
+        """Branches paused on a real tool (not idle pauses): what an inferred session's idle close must
+        leave open until its deadline."""
+        return [key for key, active in self.active.items() if active.tool_class != IDLE_CLASS]
+
     def note_answered(self, namespace: str, session: str, branch: str) -> None:
         """A call of the branch was answered and it neither paused on a tool nor closed: it is idle
         from now (the sweep prices it once it has been idle past its namespace's usual gap)."""

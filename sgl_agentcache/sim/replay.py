@@ -707,7 +707,8 @@ class _Run:
 
     def on_idle(self, now: float) -> None:
         """The server's idle sweep (inferred): close what has been idle for ``idle_s``."""
-        self.close_inferred(self.inference.idle(now, {b: since for b, (since, _, _) in self.paused.items()}))
+        self.close_inferred(self.inference.idle(now, {b: since for b, (since, tool, _) in self.paused.items()
+                                                      if tool != IDLE_CLASS}))  # an idle pause holds nothing open
 
     def close_inferred(self, branches: list[BranchKey]) -> None:
         """Close branches the inference forgot (idle or over its bounds), as the server's sweeper does."""
