@@ -76,8 +76,10 @@ def _computes_my_stable_prefix(adder, req) -> bool:
     declared and lacks (at least :data:`MIN_SHARED_PREFILL_TOKENS` of it): the same tokens, in the
     same namespace, not cached for it either."""
     plan = getattr(req, "agentcache_plan", None)
-    stable = plan.stable_end if plan is not None else 0
-    if stable - req.prefix_len < MIN_SHARED_PREFILL_TOKENS or not adder.can_run_list:
+    if plan is None or plan.stable_end < MIN_SHARED_PREFILL_TOKENS or not adder.can_run_list:
+        return False
+    stable = plan.stable_end
+    if stable - req.prefix_len < MIN_SHARED_PREFILL_TOKENS:
         return False
     mine = None
     for other in adder.can_run_list:
