@@ -387,3 +387,40 @@ def test_an_ended_forks_node_that_live_spilled_nodes_continue_is_kept_and_spille
     assert all(e.state.owner != w1 for e in cache.spill.lru)  # kept as the lead's, not the fork's
     assert run(driver, "lead2", lead1 + [7], hint=LEAD) == len(lead1)
     assert_clean(driver)
+
+
+def _flood(driver, rid: str) -> None:
+    """A request sharing nothing with the others that needs most of the pool: it evicts the rest."""
+    run(driver, rid, list(range(450, 512)) * 6)
+
+
+@pytest.mark.parametrize("respill", [False, True], ids=["on-device", "spilled-again"])
+def test_a_recomputed_prefix_does_not_cut_off_the_history_spilled_below_it(monkeypatch, respill):
+    """A system prompt spilled with the sessions' histories below it is recomputed by another request
+    while the old copy waits on host (here: the copy was held by a load for a request that then left,
+    as in the replay of ``stable_prompts``). A session that comes back must still find its history:
+    through the old copy while the prompt is on the device (a bridge), and, once the prompt is evicted
+    again, through one copy of it (the old entry serves as the node's copy: no twin that a match could
+    follow instead)."""
+    monkeypatch.setenv(ASYNC_LOAD_ENV, "0")
+    driver = spill_driver(pool=400, host=4000)
+    cache, spill = driver.cache, driver.cache.spill
+    system, a, b, c = ids(10, 100), ids(120, 100), ids(230, 100), ids(340, 100)
+    run(driver, "a", system + a)
+    run(driver, "b", system + b)  # the tree splits the system prompt into a node of its own
+    _flood(driver, "f1")  # a's and b's histories, then the prompt, go to host: the prompt's entry holds both
+    [prompt_entry] = [e for e in spill.by_anchor[cache.tree_core.root_node] if list(e.tokens) == system]
+    assert len(prompt_entry.children) == 2
+    spill.loading.add(prompt_entry)  # another request's load holds it: c does not find it...
+    assert run(driver, "c", system + c) == 0  # ...and recomputes the prompt on the device
+    spill.loading.discard(prompt_entry)  # that request left: the old copy waits on host
+    if respill:
+        assert run(driver, "d", system + ids(440, 60)) == 100  # the prompt is a node of its own again
+        _flood(driver, "f2")  # c's and d's histories, then the prompt node: its old entry is its copy
+        assert spill.counters["spill_twins"] == 1
+        starts = [e for e in spill.by_anchor.get(cache.tree_core.root_node, ()) if list(e.tokens[:100]) == system]
+        assert starts == [prompt_entry] and len(prompt_entry.children) == 4  # a, b, c, d: one chain each
+        assert run(driver, "c2", system + c + [1] + ids(0, 5)) >= 200
+    assert run(driver, "a2", system + a + [1] + ids(0, 5)) >= 200  # a's history came back
+    assert run(driver, "b2", system + b + [1] + ids(0, 5)) >= 200
+    assert_clean(driver)

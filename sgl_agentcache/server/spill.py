@@ -108,10 +108,12 @@ class SpillTier:
         self.protected_tokens = 0
         self.tokens = 0
         self._spilled: dict[Any, SpillEntry] = {}  # node being evicted -> its new entry (see on_node_removed)
+        self._twins: set = set()  # nodes of _spilled whose entry was already on host (see _twin)
         self._pinned: set[SpillEntry] = set()  # a chain being loaded back: never dropped for room
         self.loading: set[SpillEntry] = set()  # chains asynchronous loads hold (server/async_load.py)
         self.counters = {"spills": 0, "spilled_tokens": 0, "spill_refused_full": 0, "spill_failed": 0,
-                         "spill_skipped_discard": 0, "spill_skipped_over_quota": 0, "spill_skipped_no_gain": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
+                         "spill_skipped_discard": 0, "spill_skipped_over_quota": 0, "spill_skipped_no_gain": 0,
+                         "spill_twins": 0, "loads": 0, "loaded_tokens": 0, "load_failed": 0,
                          "load_no_room": 0, "load_errors": 0,
                          "dropped_tokens": {"room": 0, "closed": 0, "orphaned": 0, "purged": 0}}
         host.spill = self
@@ -148,6 +150,18 @@ class SpillTier:
                 return False
             state = max((e.state for e in below), key=lambda s: s.cls)
         advice = self.advice.get(state.owner) if self.advice and state.owner is not None else None
+        twin = self._twin(node, state)
+        if twin is not None:
+            # The same tokens after the same prefix are on host already (this node was recomputed while
+            # they waited there): that entry serves as this node's copy, and what hangs from the node
+            # hangs from it. A second copy would split the host chains in two, and a later match would
+            # follow whichever copy it met first (measured: sessions lost their history behind a
+            # re-spilled system prompt on stable_prompts with a 4x host tier).
+            self.lru.move_to_end(twin)
+            self._spilled[node] = twin
+            self._twins.add(node)
+            self.counters["spill_twins"] += 1
+            return True
         discard = advice is not None and advice.value == "discard"
         low_value = (low_value or discard) and node not in self.by_anchor
         n = len(node.key)
@@ -185,10 +199,27 @@ class SpillTier:
         self.counters["spilled_tokens"] += n
         return True
 
+    def _twin(self, node, state: NodeState) -> SpillEntry | None:
+        """A host entry with exactly ``node``'s tokens hanging from ``node``'s parent (the same KV) and
+        the same class and owner (it goes when and where the node's copy would), free to serve as its
+        copy (not being loaded back)."""
+        siblings = self.by_anchor.get(node.parent)
+        if not siblings:
+            return None
+        key = node.key
+        tokens = key.token_ids[: len(key)]
+        for entry in siblings:
+            if (len(entry) == len(key) and entry.state.owner == state.owner and entry.state.cls == state.cls
+                    and entry.extra_key == key.extra_key and entry.cache_salt == key.cache_salt
+                    and entry not in self.loading and entry not in self._pinned and entry.tokens == array("q", tokens)):
+                return entry
+        return None
+
     def on_node_removed(self, node) -> None:
         """``node`` left the tree (tree-core hook). What hung from it hangs from its new entry if it was
         just spilled, and is dropped otherwise (nothing on either tier continues it any more)."""
         self.cache.copy_ahead.forget(node)
+        self._twins.discard(node)
         entry = self._spilled.pop(node, None)
         orphans = self.by_anchor.pop(node, None)
         if not orphans:
@@ -206,7 +237,9 @@ class SpillTier:
         """After stock eviction of ``node``: if the node is still on the device after all (eviction did
         not take it), its host copy is redundant and goes."""
         entry = self._spilled.pop(node, None)
-        if entry is not None and node.component_data[FULL].value is not None:
+        if node in self._twins:  # the entry was on host before: it stays
+            self._twins.discard(node)
+        elif entry is not None and node.component_data[FULL].value is not None:
             self._drop_tree(entry, "orphaned")
 
     # ---- host -> device ----
@@ -352,13 +385,22 @@ class SpillTier:
         the match; each next one is a child of the previous that continues the key, as long as the
         previous matched the key entirely. Returns (chain, offset of the first, its anchor).
 
+        An entry whose tokens are all on the device again (another request recomputed them while it
+        waited on host) is a bridge: its children, if they continue the key past the match from a node
+        boundary of the matched path, are found through it (else a session's history spilled below a
+        re-computed system prompt could never come back).
+
         An entry an asynchronous load holds (``loading``, by default :attr:`loading`) is not found
         again: its slots are already being filled for another request, which inserts it a step later."""
         loading = self.loading if loading is None else loading
         core = self.cache.tree_core
         node = last_device_node
         end = core.depth(node) + len(node.key) if node is not core.root_node else 0  # where its tokens end
+        ends: dict[int, Any] = {}  # node boundaries of the matched path: offset -> the node ending there
+        bridged = None
         while node is not None:
+            ends[end] = node
+            best, best_reach = None, 0
             for entry in self.by_anchor.get(node, ()):
                 if entry.extra_key != key.extra_key or entry.cache_salt != key.cache_salt:
                     continue
@@ -366,15 +408,33 @@ class SpillTier:
                     continue
                 m = _common(entry.tokens, key, end)
                 if end + m > device_prefix_len and m > 0:
-                    chain = self._extend_chain(entry, m, key, end + len(entry))
-                    if loading:
-                        chain = chain[:next((i for i, e in enumerate(chain) if e in loading), len(chain))]
-                    return chain, end, node
+                    # Several entries can start here with the same tokens (a prefix spilled twice, cut
+                    # at other node boundaries): the one whose chain reaches furthest along the key.
+                    chain = self._chain_from(entry, m, key, end, loading)
+                    reach = _reach(chain, key, end)
+                    if reach > best_reach:
+                        best, best_reach = chain, reach
+                elif bridged is None and m == len(entry) and entry.children:
+                    bridged = (entry, end + m)
+            if best is not None:
+                return best, end, node
             if node is core.root_node:
                 break
             end -= len(node.key)
             node = node.parent
+        if bridged is not None and bridged[1] in ends:
+            entry, start = bridged
+            for child in entry.children:
+                m = _common(child.tokens, key, start)
+                if start + m > device_prefix_len and m > 0 and child not in loading:
+                    return self._chain_from(child, m, key, start, loading), start, ends[start]
         return [], 0, None
+
+    def _chain_from(self, first: SpillEntry, matched: int, key: RadixKey, start: int, loading) -> list:
+        chain = self._extend_chain(first, matched, key, start + len(first))
+        if loading:
+            chain = chain[:next((i for i, e in enumerate(chain) if e in loading), len(chain))]
+        return chain
 
     def _extend_chain(self, first: SpillEntry, matched: int, key: RadixKey, offset: int) -> list:
         chain, entry = [first], first
@@ -543,6 +603,7 @@ class SpillTier:
             self._remove(entry)
         self.by_anchor.clear()
         self._spilled.clear()
+        self._twins.clear()
         self.advice.clear()
         return freed
 
@@ -558,6 +619,17 @@ def _take(counts: dict, key, n: int) -> None:
         counts[key] = left
     else:
         counts.pop(key, None)
+
+
+def _reach(chain: list, key: RadixKey, start: int) -> int:
+    """How far along ``key`` a chain starting at ``start`` matches it."""
+    offset = start
+    for entry in chain:
+        m = _common(entry.tokens, key, offset)
+        offset += m
+        if m < len(entry):
+            break
+    return offset
 
 
 def _common(entry_tokens: array, key: RadixKey, offset: int) -> int:
