@@ -108,9 +108,8 @@ def test_offload_advice_protects_the_spilled_branch_and_the_resume_loads_it_back
 
 
 def _discarded(host: int) -> "Lazy":
-    """``early`` (500 tokens, ordinary) and ``gone`` (300 tokens, then advised DISCARD) are resident;
-    two other sessions need the pool: ``gone`` is evicted first (discard advice trims it on the device
-    too), then ``early``."""
+    """``early`` (500 tokens, ordinary) is evicted and spilled first; then ``gone`` (300 tokens,
+    advised DISCARD) is evicted."""
     h = Lazy(pool=1024, host=host)
     h.turn(ids(3, 500), "early")
     h.turn(ids(4, 300), "gone")
@@ -126,9 +125,9 @@ def _discarded(host: int) -> "Lazy":
 
 def test_discard_advice_spills_only_into_free_host_room_and_goes_first():
     gone, early = BranchKey(NS, "gone", "main"), BranchKey(NS, "early", "main")
-    full = _discarded(host=700)  # gone fills free room, then gives it up to early's copy
+    full = _discarded(host=700)  # early's copy leaves 200 tokens free: gone does not displace it
     spill = full.cache.spill
-    assert spill.counters["dropped_tokens"]["room"] >= 300  # gone's entry, the first in line
+    assert spill.counters["spill_skipped_discard"] > 0 and spill.counters["dropped_tokens"]["room"] == 0
     assert spill.owner_tokens.get(gone, 0) == 0 and spill.owner_tokens.get(early, 0) >= 500
     full.assert_clean()
 
@@ -136,7 +135,7 @@ def test_discard_advice_spills_only_into_free_host_room_and_goes_first():
     spill = roomy.cache.spill
     held = spill.owner_tokens.get(gone, 0)
     assert held > 0 and spill.counters["spill_skipped_discard"] == 0
-    assert next(iter(spill.lru)).state.owner == gone  # first in line
+    assert next(iter(spill.lru)).state.owner == gone  # spilled after early's copy, yet first in line
     others = {b: t for b, t in spill.owner_tokens.items() if b != gone}
     assert spill.make_room(spill.host.free_tokens() + 1)
     assert spill.owner_tokens.get(gone, 0) < held

@@ -63,19 +63,6 @@ def test_an_anchor_is_worth_a_stable_prefix_even_when_its_branch_ended_and_a_pin
     assert pinned[0] is Band.PINNED
 
 
-def test_a_paused_branchs_advice_ranks_its_device_nodes_as_the_pause_policy_valued_them():
-    """Lazy pause advice enters device eviction too: a discard-advised branch is trimmed first (not
-    worth the memory for its expected wait), a keep-advised one is valued at least as a stable prefix
-    (worth device memory for it); an over-quota branch stays trimmed whatever its advice."""
-    session = NodeState(NodeClass.SESSION, B)
-    plain, stable = rank(session, 0, 5.0), rank(NodeState(NodeClass.STABLE), 0, 5.0)
-    assert rank(session, 0, 5.0, advice="discard")[0] is Band.TRIM
-    assert rank(session, 0, 5.0, advice="keep") == stable and plain < stable
-    assert rank(session, 0, 5.0, advice="offload") == plain  # it goes to host, kept there ahead of others
-    assert rank(session, 0, 5.0, advice="keep", over_quota=True)[0] is Band.TRIM
-    assert rank(NodeState(NodeClass.SESSION, B, terminated=True), 0, 5.0, advice="keep")[0] is Band.ENDED
-
-
 def test_value_per_token_is_reuse_times_the_cost_a_loss_would_add():
     recompute, reload = 1 / 4000.0, 65536 / 25e9
     assert MODEL.recompute_s == pytest.approx(recompute) and MODEL.reload_s == pytest.approx(reload)

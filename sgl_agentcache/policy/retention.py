@@ -32,13 +32,11 @@ Hard rules come first, as *bands* (a band always beats value)::
 - ``LEAVING``: device nodes an offload is copying to host; they are freed when the copy lands, so
   eviction takes them before anything (exactly what a synchronous offload would already have freed).
 - ``ENDED``: the owning branch ended; reclaimable now.
-- ``TRIM``: a live branch over its quota, or paused with DISCARD advice (device), or an entry spilled
-  while over quota or advised DISCARD (host): a quota bounds fairness under pressure, it does not cap
-  a branch while memory is free, so such units may fill free room but are the first trimmed; a
-  discard-advised branch was judged not worth the memory for its expected wait on either tier.
+- ``TRIM``: a live branch over its quota (device), or an entry spilled while over quota or advised
+  DISCARD (host): a quota bounds fairness under pressure, it does not cap a branch while memory is
+  free, so such units may fill free room but are the first trimmed.
 - ``VALUED``: everything else, by value per token. An *anchor* (the device node a host copy hangs
-  from) is worth at least a stable prefix: without it the copy cannot be restored; so is a branch
-  paused with KEEP advice (the pause policy judged its KV worth device memory for its expected wait).
+  from) is worth at least a stable prefix: without it the copy cannot be restored.
 - ``PROTECTED``: host entries of a branch paused with OFFLOAD advice (the pause policy judged them
   worth the host memory for its expected wait).
 - ``PINNED``: device nodes of a branch paused with an applied KEEP (bounded by the pause caps).
@@ -150,23 +148,18 @@ def device_band(state: NodeState, *, kept: bool = False, over_quota: bool = Fals
 
 
 def device_rank(values: Mapping[NodeClass, float], state: NodeState, session_ref: int, last_access,
-                kept: bool = False, anchor: bool = False, over_quota: bool = False, leaving: bool = False,
-                advice: str | None = None) -> tuple:
+                kept: bool = False, anchor: bool = False, over_quota: bool = False, leaving: bool = False) -> tuple:
     """Eviction sort key of a device leaf; the smallest goes first. ``values`` is
     :meth:`RetentionModel.device_values`; ``last_access`` is SGLang's configured priority (its logical
     LRU counter by default). Band, then value per token (an anchor at least a stable prefix's, even
     when its own branch ended: a closed sibling created the prefix the copy shares), then SGLang's
     session-radix references (unreferenced before referenced, fewer before more; all 0 without
     ``--enable-session-radix-cache``), then recency. ``leaving``: an offload is copying the node to
-    host and frees it when the copy lands: it goes first (:attr:`Band.LEAVING`). ``advice``: the owner
-    is paused with this lazy decision ("keep", "offload", "discard"): discard trims it, keep values it
-    at least as a stable prefix (see the module docstring)."""
-    band = Band.LEAVING if leaving else device_band(state, kept=kept, over_quota=over_quota or advice == "discard")
+    host and frees it when the copy lands: it goes first (:attr:`Band.LEAVING`)."""
+    band = Band.LEAVING if leaving else device_band(state, kept=kept, over_quota=over_quota)
     value = values[state.cls] if band is Band.VALUED else 0.0
     if anchor and band <= Band.VALUED:  # a pinned anchor stays pinned
         band, value = Band.VALUED, max(value, values[NodeClass.STABLE])
-    elif advice == "keep" and band is Band.VALUED:  # (an over-quota branch stays trimmed first)
-        value = max(value, values[NodeClass.STABLE])
     return (band, value, session_ref > 0, session_ref, last_access)
 
 

@@ -189,11 +189,10 @@ class AgentRadixCache(UnifiedRadixCache):
         copies = self.copies
         state, anchors, leaving = node.agent, copies.anchors, copies.leaving
         owner = state.owner
-        advice = self.spill.advice.get(owner) if self.spill.advice and owner is not None else None
         return device_rank(self._device_values, state, session_ref, base_priority, owner in self.pauses.kept,
                            bool(anchors) and node in anchors,
                            owner is not None and not state.terminated and self.over_quota(owner),
-                           leaving=bool(leaving) and node in leaving, advice=advice.value if advice else None)
+                           leaving=bool(leaving) and node in leaving)
 
     def branch_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is
