@@ -42,6 +42,7 @@ import random
 import re
 import socket
 import string
+import time
 
 import msgspec
 import pytest
@@ -182,6 +183,26 @@ def stats(server) -> dict:
     reply = http(server, "GET", b"/agentcache/stats")
     assert reply.status == 200, reply
     return reply.json()
+
+
+#: How often a no-op check is re-sent when the idle sweep paused a branch between its two snapshots.
+SWEEP_RETRIES = 4
+
+
+def settled_stats(server, timeout_s: float = 10.0) -> dict:
+    """``/agentcache/stats`` once no background pause is pending: the shared server runs the idle
+    sweep (product default), which pauses branches other tests left open, on its own clock."""
+    deadline = time.monotonic() + timeout_s
+    while (doc := stats(server))["coordinator"].get("pending_pauses", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return doc
+
+
+def _sweep_intervened(before: dict, after: dict) -> bool:
+    """The idle sweep fired between two snapshots (its pauses change the tree and counters by
+    design), so a diff between them cannot be blamed on the request in between."""
+    b, a = before["coordinator"], after["coordinator"]
+    return a.get("idle_pauses") != b.get("idle_pauses") or a.get("pending_pauses", 0) > 0
 
 
 def assert_server_healthy(server) -> None:
@@ -369,13 +390,20 @@ def expect_route(route: str, method: str, body: bytes, model: Model, *, fault_in
 
 
 def check_reply(server, exp: Expect, send, *, needles: tuple[str, ...] = ()) -> Reply:
-    """Send once; assert the status class, a named error, and an unchanged tree for every refusal.
+    """Send; assert the status class, a named error, and an unchanged tree for every refusal (sent
+    again, up to :data:`SWEEP_RETRIES` times, only when the idle sweep paused a branch meanwhile).
 
     ``needles``: the field a one-field mutation broke (or the size limit); required, in addition to
     the oracle's own needles, only when the contract's parser is what refuses the input.
     """
-    before = stats(server) if exp.changes_nothing else None
-    reply = send()
+    for _ in range(SWEEP_RETRIES):
+        before = settled_stats(server) if exp.changes_nothing else None
+        reply = send()
+        if before is None:
+            break
+        after = stats(server)
+        if not _sweep_intervened(before, after):
+            break
     note(f"-> {reply.status} {reply.body[:400]!r}")
     if exp.status == "2xx":
         assert 200 <= reply.status < 300, f"valid input refused: {reply.status} {reply.body[:600]!r}"
@@ -390,7 +418,7 @@ def check_reply(server, exp: Expect, send, *, needles: tuple[str, ...] = ()) -> 
         for wanted in filter(None, groups):
             assert any(n in text for n in wanted), f"error does not name the problem ({wanted}): {text[:600]}"
     if before is not None:
-        changed = stats_diff(before, stats(server))
+        changed = stats_diff(before, after)
         assert not changed, f"a refused (or no-op) request changed the tree (or a counter): {changed}"
     event(f"status {reply.status}")
     event(f"expected {exp.status} {'/'.join(exp.needles)}".rstrip())

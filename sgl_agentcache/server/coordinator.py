@@ -14,7 +14,7 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
   starts while its lead is paused re-prices the lead's pause the same way;
 - session idleness: a branch answered without pausing on a tool or closing waits on something unseen
   (:class:`~sgl_agentcache.policy.idle.IdleBranches` learns those gaps per namespace); a sweep every
-  :data:`IDLE_SWEEP_S` pauses a branch idle past its namespace's usual gap on the implicit tool
+  ``AGENTCACHE_IDLE_SWEEP_S`` seconds pauses a branch idle past its namespace's usual gap on the implicit tool
   ``@idle``, with its idle time as ``elapsed``: advice only, no deadline (nothing is released for
   being idle);
 - deadlines are timers here: when one fires, an ``expire`` message releases the branch on every tier.
@@ -214,8 +214,8 @@ class PauseCoordinator:
                 active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
         self._emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
                          retained_tokens=result.get("tokens"), reason=result.get("reason"),
-                         deadline_s=deadline_s)
-        return status, result | {"deadline_s": deadline_s}
+                         deadline_s=kept["deadline_s"])
+        return status, result | {"deadline_s": kept["deadline_s"]}
 
     async def resume(self, namespace: str, session: str, branch: str, *, by_request: bool = False) -> tuple[int, dict]:
         key = (namespace, session, branch)
@@ -389,7 +389,7 @@ class PauseCoordinator:
         models = {f"{t}/{c}": {"observations": m.observations, "p50_s": m.quantile(0.5), "p99_s": m.quantile(0.99)}
                   for (t, c), m in self.book.items()[-32:]}
         return {"active_pauses": len(self.active), **self.counters, "latency_models": models,
-                "idle_branches": len(self.idle.since),
+                "idle_branches": len(self.idle.since), "pending_pauses": len(self.pending),
                 "prefetch_lead_median_s": statistics.median(self.leads) if self.leads else None,
                 "max_retention_s": self.max_retention_s, "event_log": self.events.path,
                 "events_written": self.events.written, "events_dropped": self.events.dropped + self.events.failed}
