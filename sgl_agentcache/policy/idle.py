@@ -94,12 +94,12 @@ class IdleBranches:
 
     def ended(self, namespace: str, session: str, branch: str | None = None) -> None:
         """A branch (or, with ``branch`` None, every branch of a session) closed."""
-        for key in [k for k in self.since if k[0] == namespace and k[1] == session
-                    and (branch is None or k[2] == branch)]:
-            del self.since[key]
-            self.priced.discard(key)
+        self._forget(lambda k: k[0] == namespace and k[1] == session and (branch is None or k[2] == branch))
 
     def namespace_ended(self, namespace: str) -> None:
-        for key in [k for k in self.since if k[0] == namespace]:
+        self._forget(lambda k: k[0] == namespace)
+
+    def _forget(self, matches) -> None:
+        for key in [k for k in self.since if matches(k)]:
             del self.since[key]
             self.priced.discard(key)

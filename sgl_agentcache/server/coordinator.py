@@ -138,8 +138,12 @@ class PauseCoordinator:
         resume and prefetch wait for it, and so does every other control route (:meth:`settle`). A
         failure is logged, never raised: a pause must never fail the call it follows."""
         key = (namespace, session, branch)
-        task = asyncio.get_running_loop().create_task(self._pause_logged(key, kwargs))
-        self.pending[key] = task
+        return self._in_background(key, self._pause_logged(key, kwargs))
+
+    def _in_background(self, key: tuple[str, str, str], work) -> asyncio.Task:
+        """Run ``work`` (a coroutine that changes ``key``'s pause) as ``key``'s pending task: what
+        :meth:`settle` waits for; it leaves :attr:`pending` when done (unless replaced meanwhile)."""
+        task = self.pending[key] = asyncio.get_running_loop().create_task(work)
         task.add_done_callback(lambda done: self.pending.pop(key) if self.pending.get(key) is done else None)
         return task
 
@@ -272,9 +276,7 @@ class PauseCoordinator:
             return
         lead_key = (namespace, session, lead)
         if lead_key in self.active and lead_key not in self.pending:
-            self.pending[lead_key] = task = asyncio.get_running_loop().create_task(self._reprice(lead_key))
-            task.add_done_callback(lambda done: self.pending.pop(lead_key) if self.pending.get(lead_key) is done
-                                   else None)
+            self._in_background(lead_key, self._reprice(lead_key))
 
     async def _reprice(self, key) -> None:
         """Send a paused lead's pause again, now as a join on its running subagents (the scheduler

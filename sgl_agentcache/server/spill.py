@@ -207,12 +207,14 @@ class SpillTier:
         if not siblings:
             return None
         key = node.key
-        tokens = key.token_ids[: len(key)]
+        tokens = None  # built once, for the first sibling that matches on everything else
         for entry in siblings:
             if (len(entry) == len(key) and entry.state.owner == state.owner and entry.state.cls == state.cls
                     and entry.extra_key == key.extra_key and entry.cache_salt == key.cache_salt
-                    and entry not in self.loading and entry not in self._pinned and entry.tokens == array("q", tokens)):
-                return entry
+                    and entry not in self.loading and entry not in self._pinned):
+                tokens = array("q", key.token_ids[: len(key)]) if tokens is None else tokens
+                if entry.tokens == tokens:
+                    return entry
         return None
 
     def on_node_removed(self, node) -> None:
