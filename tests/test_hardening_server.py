@@ -188,6 +188,40 @@ def test_completions_refuse_prompts_that_kill_sglang(hserver, prompt, needle):
     _assert_alive(hserver)
 
 
+@pytest.mark.parametrize("path, body", [
+    pytest.param("/generate", {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": "vocab+1",
+                               "sampling_params": GREEDY}, id="generate"),
+    pytest.param("/generate", {"input_ids": [[5, 6], [7]], "return_logprob": True, "top_logprobs_num": [1, 500],
+                               "sampling_params": GREEDY}, id="generate-batch"),
+    pytest.param("/generate", {"text": "plan", "return_logprob": True, "top_logprobs_num": -2,
+                               "sampling_params": GREEDY}, id="generate-negative"),
+    pytest.param("/v1/completions", {"model": "default", "prompt": [5, 6], "max_tokens": 1, "logprobs": 500},
+                 id="completions"),
+    pytest.param("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 1, "logprobs": True, "top_logprobs": 500}, id="chat"),
+])
+def test_top_logprobs_past_the_vocabulary_are_refused(hserver, path, body):
+    """Issue #38 item 2: more top log-probabilities per token than the vocabulary has killed SGLang
+    0.5.23's scheduler (``selected index k out of range``), stock SGLang too. A 400 now, on every route."""
+    body = json.loads(json.dumps(body).replace('"vocab+1"', str(hserver.vocab_size + 1)))
+    status, reply = _call(hserver, "POST", path, ACME_KEY, body)
+    assert status == 400, reply
+    assert "top log-probabilities" in _error(reply) and str(hserver.vocab_size) in _error(reply), reply
+    _assert_alive(hserver)
+
+
+def test_top_logprobs_up_to_the_vocabulary_still_answer(hserver):
+    body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": hserver.vocab_size,
+            "sampling_params": GREEDY}
+    status, reply = _call(hserver, "POST", "/generate", ACME_KEY, body)
+    assert status == 200, reply
+    assert len(reply["meta_info"]["output_top_logprobs"][0]) == hserver.vocab_size
+    body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "top_logprobs": 500}  # without `logprobs` the number is never used: not refused
+    status, reply = _call(hserver, "POST", "/v1/chat/completions", ACME_KEY, body)
+    assert status == 200, reply
+
+
 def test_valid_prompts_at_the_vocabulary_edges_still_generate(hserver):
     edges = [0, hserver.vocab_size - 1, 5]
     body = {"input_ids": [edges, [7]], "sampling_params": GREEDY}

@@ -267,3 +267,38 @@ def test_flush_cache_drops_paused_branches_host_copies(server, tokens):
     _, cached = _gen(server, prompt, "flushed", extra_key="flush-ns")  # serves normally, from nothing
     assert cached == 0
     _check(server)
+
+
+def _alive_after_idle_polls(server, seconds: float = 1.5) -> None:
+    """The scheduler idles (SGLang checks its pool for leaks at every idle poll) and the server lives."""
+    time.sleep(seconds)
+    assert server.proc.poll() is None, server.log_tail()
+    assert server.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.parametrize("route", ["resume", "prefetch", "fork"])
+def test_a_restore_in_flight_while_the_scheduler_idles_is_not_a_leak(server, tokens, route):
+    """Issue #38 item 1: an offloaded branch's copy back issued while nothing runs (the resume route,
+    a prefetch, a fork of it) holds slots a worker fills, outside the tree until it lands. SGLang's
+    idle check (free + evictable + protected == pool) read them as a leak and stopped the server; they
+    count as protected now. The next turn still hits the whole restored prefix."""
+    session, ns = f"idle-{route}", f"idle-{route}-ns"
+    prompt = tokens.ids(200)
+    out1, _ = _gen(server, prompt, session, extra_key=ns)
+    status, paused = _post(server, "/agentcache/pause", {"session": session, "extra_key": ns, "tool_class": "ci_run"})
+    assert status == 200 and paused["action"] == "offload", paused
+    if route == "fork":
+        body = {"input_ids": prompt + out1 + tokens.ids(20), "extra_key": ns,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                "kv_hints": lifecycle_envelope({"session": session, "branch": "sub", "parent_branch": "main",
+                                                "stable_prefix_tokens": STABLE}, message_id=f"m-{route}")}
+        assert server.generate(body)["meta_info"]["cached_tokens"] >= len(prompt)
+    else:
+        status, out = _post(server, f"/agentcache/{route}", {"session": session, "extra_key": ns})
+        assert status == 200 and out["restored_tokens"] == paused["tokens"], out
+    _alive_after_idle_polls(server)
+    _check(server)
+    _, cached = _gen(server, prompt + out1 + tokens.ids(20), session, extra_key=ns)
+    assert cached >= len(prompt)
+    _alive_after_idle_polls(server)
+    _check(server)

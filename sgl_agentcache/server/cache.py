@@ -720,6 +720,14 @@ class AgentRadixCache(UnifiedRadixCache):
         finally:
             spill.settle_eviction(node)
 
+    def protected_size(self) -> int:
+        """Locked tree tokens, plus the device slots host->device copies in flight hold (load-backs,
+        restores, prefetches: allocated, filled by a worker, not yet in the tree). SGLang's pool
+        invariant (free + evictable + protected + ... == pool, checked at every idle poll) counts
+        them here; without them a prefetch issued while the scheduler idles reads as a leak and
+        SGLang stops the server."""
+        return super().protected_size() + self.loads.in_flight_tokens()
+
     def evict(self, params):
         """Stock eviction, then reclaim of terminated nodes it exposed as leaves (same step)."""
         result = super().evict(params)

@@ -18,7 +18,8 @@ with it every tenant's requests): a token id outside ``[0, vocab)`` (IndexError 
 empty prompt inside a batch (an assertion when its KV is released), a text prompt that tokenizes to no
 token (a reshape error). The client's token ids are checked before anything else, naming the field
 (``input_ids[1]``, ``prompt[0][7]``); every prompt is checked again once tokenized, whatever route it
-came by. Either is a 400 that nothing reaches a scheduler through.
+came by. Either is a 400 that nothing reaches a scheduler through. So is a request for more top
+log-probabilities per token than the vocabulary has (a ``topk`` past the vocabulary in the scheduler).
 """
 
 from __future__ import annotations
@@ -122,15 +123,32 @@ def _vocab_size(tokenizer_manager) -> int | None:
     return getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
 
 
+def check_top_logprobs(obj, vocab_size: int) -> None:
+    """Raise ``ValueError`` (-> HTTP 400) when ``obj`` (one request, batches already split) asks for
+    more top log-probabilities per token than the vocabulary has, or fewer than none: SGLang 0.5.23's
+    scheduler dies on it (``selected index k out of range`` in ``get_top_logprobs_raw``). The field is
+    ``top_logprobs_num`` on ``/generate``, ``logprobs`` on ``/v1/completions`` and ``top_logprobs`` on
+    ``/v1/chat/completions``. Without ``return_logprob`` the number is never used, so it is not checked."""
+    wanted = getattr(obj, "top_logprobs_num", None)
+    if not getattr(obj, "return_logprob", False) or not isinstance(wanted, int) or 0 <= wanted <= vocab_size:
+        return
+    raise ValueError(f"top log-probabilities asked for: {wanted} per token (`top_logprobs_num`, or `logprobs` / "
+                     f"`top_logprobs` on the OpenAI routes); this model's vocabulary has {vocab_size} tokens")
+
+
 def _before_validate_one_request(tokenizer_manager, obj, input_ids, *args, **kwargs):
-    """Every prompt once tokenized (text, chat templates, any route): never empty, never past the vocab.
-    Prompts given as token ids were checked at :func:`_before_generate_request` already; multimodal
-    prompts carry image pad values past the vocabulary on purpose, so only their length is checked."""
+    """Every request once tokenized (text, chat templates, any route; a batch's one by one): its top
+    log-probabilities within the vocabulary (:func:`check_top_logprobs`), and its prompt never empty,
+    never past the vocab. Prompts given as token ids were checked at :func:`_before_generate_request`
+    already; multimodal prompts carry image pad values past the vocabulary on purpose, so only their
+    length is checked."""
+    vocab = _vocab_size(tokenizer_manager)
+    if vocab is not None:
+        check_top_logprobs(obj, vocab)
     if input_ids is None or getattr(obj, "input_ids", None) is not None:
         return None
     if len(input_ids) == 0:
         raise ValueError("the prompt is empty once tokenized: a prompt needs at least one token")
-    vocab = _vocab_size(tokenizer_manager)
     contains_mm = getattr(obj, "contains_mm_input", None)
     if vocab is not None and not (contains_mm is not None and contains_mm()):
         check_prompt_ids(input_ids, vocab, "prompt (tokenized)")

@@ -88,14 +88,15 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
 
     if evictable != cache.evictable_size():
         errors.append(f"evictable recount {evictable} != evictable_size() {cache.evictable_size()}")
-    if protected != cache.protected_size():
-        errors.append(f"protected recount {protected} != protected_size() {cache.protected_size()}")
+    in_flight = cache.loads.in_flight_tokens() if agent_state else 0  # held slots SGLang counts as protected
+    if protected + in_flight != cache.protected_size():
+        errors.append(f"protected recount {protected} + loads in flight {in_flight} != protected_size() "
+                      f"{cache.protected_size()}")
 
     allocator = cache.token_to_kv_pool_allocator
     available = allocator.available_size() if allocator is not None else 0
     pool = allocator.size if allocator is not None else 0
     if idle and allocator is not None:
-        in_flight = cache.loads.in_flight_tokens() if agent_state else 0
         if in_flight:
             errors.append(f"idle but {in_flight} tokens of load-backs are still in flight")
         if protected:

@@ -56,6 +56,8 @@ PINS: tuple[Pin, ...] = (
     Pin(f"{_CACHE}.__init__", ("self", "params"), "AgentRadixCache subclasses it"),
     Pin(f"{_CACHE}.checkpoint_into_tree", ("self", "req", "up_to", "kwargs"), "inserts carry request context"),
     Pin(f"{_CACHE}.evict", ("self", "params"), "stock eviction path"),
+    Pin(f"{_CACHE}.protected_size", ("self",),
+        "slots of host->device copies in flight count as protected in SGLang's idle pool-leak check"),
     Pin(f"{_TREE}.evict_device_leaf", ("self", "node_id", "is_write_back"), "branch reclaim frees exactly its nodes"),
     Pin(f"{_CACHE}._apply_eviction_result", ("self", "result"), "frees KV of reclaimed nodes"),
     Pin(f"{_CACHE}._accumulate_tracker", ("self", "tracker", "delta"), "counts reclaimed tokens"),
