@@ -84,10 +84,12 @@ def merge_tracestate(existing: str | None, member: str) -> str:
 def hint_from_tracestate(values: list[str]) -> LifecycleHint | None:
     """The hint carried in ``tracestate`` header line(s), or None when there is no member of ours.
 
-    Other vendors' members are ignored, however they are written. Raises :class:`HintError` naming
-    the member when ours is sent twice, is not unpadded base64url, is too long, or is not a valid hint.
+    Other vendors' members are ignored, however they are written, and so is every member past W3C's
+    32 (a list has at most 32: ours is read only among them, as :func:`merge_tracestate` places it).
+    Raises :class:`HintError` naming the member when ours is sent twice, is not unpadded base64url
+    (W3C forbids ``=`` in a value: padding is refused), is too long, or is not a valid hint.
     """
-    ours = [m.split("=", 1)[1] if "=" in m else "" for m in _members(values)
+    ours = [m.split("=", 1)[1] if "=" in m else "" for m in _members(values)[:MAX_TRACESTATE_MEMBERS]
             if m.split("=", 1)[0].strip() == TRACESTATE_KEY]
     if not ours:
         return None
@@ -97,6 +99,8 @@ def hint_from_tracestate(values: list[str]) -> LifecycleHint | None:
     value = ours[0].strip()
     if not value or len(value) > MAX_TRACESTATE_VALUE:
         raise HintError(f"{where} must be 1-{MAX_TRACESTATE_VALUE} characters of base64url, got {len(value)}")
+    if "=" in value:
+        raise HintError(f"{where} is not unpadded base64url (W3C allows no `=` in a value)")
     try:
         raw = base64.b64decode(value + "=" * (-len(value) % 4), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):

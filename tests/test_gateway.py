@@ -63,6 +63,7 @@ def test_merging_replaces_our_older_member_and_keeps_the_list_bounded():
     ("not base64!", "not unpadded base64url"),
     (base64.urlsafe_b64encode(b"\xff\xfe").rstrip(b"=").decode(), "not UTF-8"),
     (_b64("{not json"), "not valid JSON"),
+    (base64.urlsafe_b64encode(b'{"session":"ab"}').decode(), "not unpadded base64url"),  # `==` padding (#38 item 7)
     (_b64(json.dumps({"session": 5})), "session"),
     (_b64(json.dumps({"session": "s", "grant_memory": 1})), "grant_memory"),
 ])
@@ -70,6 +71,15 @@ def test_a_malformed_member_of_ours_is_refused_by_name(value, says):
     with pytest.raises(HintError, match="tracestate member `sgl-agentcache`") as info:
         hint_from_tracestate([f"rojo=1,{TRACESTATE_KEY}={value}"])
     assert says in str(info.value)
+
+
+def test_our_member_past_w3cs_32_members_is_not_read():
+    """Issue #38 item 7: a list has at most 32 members (W3C); ours was read at position 35 of 40."""
+    member = tracestate_member({"session": "s"})
+    others = [f"v{i}=x" for i in range(40)]
+    assert hint_from_tracestate([",".join(others[:34] + [member] + others[34:])]) is None
+    assert hint_from_tracestate([",".join(others[:31] + [member])]).session == "s"  # the 32nd is read
+    assert hint_from_tracestate([",".join(others[:20]), ",".join(others[20:31]), member]).session == "s"
 
 
 def test_our_member_sent_twice_is_refused():
