@@ -56,6 +56,13 @@ class NamespacedLRU(Generic[K, V]):
         group = self._groups.get(self.namespace_of(key))
         return default if group is None else group.get(key, default)
 
+    def __getitem__(self, key: K) -> V:
+        """The value of ``key`` (not marked used); ``KeyError`` when absent."""
+        group = self._groups.get(self.namespace_of(key))
+        if group is None or key not in group:
+            raise KeyError(key)
+        return group[key]
+
     def __contains__(self, key: object) -> bool:
         try:
             group = self._groups.get(self.namespace_of(key))  # type: ignore[arg-type]
@@ -85,9 +92,10 @@ class NamespacedLRU(Generic[K, V]):
         """Mark ``key`` most recently used (it must be present)."""
         self._groups[self.namespace_of(key)].move_to_end(key)
 
-    def put(self, key: K, value: V) -> list[tuple[K, V]]:
+    def put(self, key: K, value: V, *, bound: bool = True) -> list[tuple[K, V]]:
         """Set ``key`` (most recently used now); returns what the bounds evicted, oldest first. The key
-        just put is never among them."""
+        just put is never among them. With ``bound=False`` a new key may leave the map over its
+        bounds until :meth:`enforce` (an entry that may still be taken back)."""
         namespace = self.namespace_of(key)
         group = self._groups.get(namespace)
         if group is None:
@@ -99,9 +107,16 @@ class NamespacedLRU(Generic[K, V]):
         group[key] = value
         self._size += 1
         self._resized(namespace, len(group) - 1, len(group))
+        return self.enforce(key) if bound else []
+
+    def enforce(self, key: K) -> list[tuple[K, V]]:
+        """Bring the map within its bounds again, never evicting ``key``: first ``key``'s namespace
+        within its own bound, then the largest namespaces within the total. Returns what went."""
+        namespace = self.namespace_of(key)
         evicted: list[tuple[K, V]] = []
-        if len(group) > self.namespace_limit:
-            self._evict_from(namespace, evicted, keep=key)
+        while len(self._groups.get(namespace, ())) > self.namespace_limit:
+            if not self._evict_from(namespace, evicted, keep=key):
+                break
         while self._size > self.limit:
             if not self._evict_from(next(iter(self._by_size[self._largest])), evicted, keep=key):
                 break  # the largest namespace holds only retained entries (within a scan): stay over

@@ -288,3 +288,87 @@ def test_an_idle_branch_is_priced_as_a_pause_on_idle_and_its_gap_is_learned():
         assert not coordinator.idle.since
 
     asyncio.run(main())
+
+
+# ---- one tenant's pauses never stall another's (issue #38 item 3) ----
+
+NS_A, NS_B = namespace_key(None, "tenant-a"), namespace_key(None, "tenant-b")
+
+
+def test_a_tenants_reads_wait_only_for_its_own_pending_pauses(held):
+    """Every control route used to wait for all tenants' pending pauses (``settle()``); a tenant's own
+    view now waits for its namespace only, a close for its branch or session."""
+    scheduler, coordinator = held
+
+    async def main():
+        coordinator.pause_soon(NS_A, "s1", "main", tool_class="bash", deadline_ms=None, priority=0,
+                               resume_required=True)
+        await asyncio.sleep(0.01)  # A's pause is held at the scheduler
+        await asyncio.wait_for(coordinator.settle(namespace=NS_B), 1.0)  # B's view: nothing of B pending
+        await asyncio.wait_for(coordinator.settle([(NS_A, "s2", "main")]), 1.0)  # another branch of A's
+        await asyncio.wait_for(coordinator.settle(namespace=NS_A, session="s2"), 1.0)
+        own = asyncio.create_task(coordinator.settle(namespace=NS_A))
+        everything = asyncio.create_task(coordinator.settle())  # an operator's view waits for all
+        await asyncio.sleep(0.01)
+        assert not own.done() and not everything.done()
+        scheduler.release.set()
+        await asyncio.wait_for(asyncio.gather(own, everything), 1.0)
+        coordinator.forget(NS_A, "s1")
+
+    asyncio.run(main())
+
+
+def test_a_namespaces_pending_and_paused_branches_are_bounded(held):
+    """A namespace's background pauses past ``max_pending`` are shed (the branch stays unpaused), and
+    pauses past ``max_paused`` are refused with 429; another namespace is not affected by either."""
+    scheduler, coordinator = held
+    coordinator.max_pending, coordinator.max_paused = 3, 4
+    pause = dict(tool_class="bash", deadline_ms=None, priority=0, resume_required=True)
+
+    async def main():
+        tasks = [coordinator.pause_soon(NS_A, f"s{i}", "main", **pause) for i in range(5)]
+        assert tasks[3] is None and tasks[4] is None and coordinator.counters["pauses_shed"] == 2
+        assert coordinator.pause_soon(NS_B, "s0", "main", **pause) is not None  # B's own bound
+        scheduler.release.set()
+        await coordinator.settle()
+        assert await coordinator.pause(NS_A, "s3", "main", **pause) == (200, {"paused": True, "action": "offload",
+                                                                              "tokens": 64, "deadline_s": 600.0})
+        status, body = await coordinator.pause(NS_A, "s4", "main", **pause)
+        assert status == 429 and "nothing changed" in body["error"] and (NS_A, "s4", "main") not in coordinator.active
+        assert (await coordinator.pause(NS_A, "s0", "main", **pause))[0] == 200  # re-pausing a paused branch
+        assert (await coordinator.pause(NS_B, "s1", "main", **pause))[0] == 200
+        for ns in (NS_A, NS_B):
+            coordinator.purge(ns)
+
+    asyncio.run(main())
+
+
+def test_the_control_channel_serves_each_namespace_in_turn_and_batches_what_is_queued():
+    """SGLang's communicator carries one control message at a time; the channel sends what is queued as
+    one batch, taking one op from each namespace in turn, so B's op never waits behind A's queue."""
+    from sgl_agentcache.server.control_channel import ControlChannel
+
+    batches: list[list[str]] = []
+    gate = asyncio.Event()
+
+    async def send_batch(ops):
+        batches.append([args["name"] for _, args in ops])
+        await gate.wait()
+        return [(200, {"echo": args["name"]}) for _, args in ops]
+
+    async def main():
+        channel = ControlChannel(send_batch, max_batch=4)
+        first = asyncio.create_task(channel.call("a", "pause", {"name": "a0"}))
+        await asyncio.sleep(0)  # a0 is in flight alone
+        a_calls = [asyncio.create_task(channel.call("a", "pause", {"name": f"a{i}"})) for i in range(1, 9)]
+        b_call = asyncio.create_task(channel.call("b", "stats", {"name": "b0"}))
+        await asyncio.sleep(0)
+        gate.set()
+        assert (await b_call) == (200, {"echo": "b0"})
+        await asyncio.gather(first, *a_calls)
+        assert batches[0] == ["a0"] and batches[1] == ["a1", "b0", "a2", "a3"]  # b0 in the very next batch
+        assert [name for batch in batches for name in batch if name != "b0"] == [f"a{i}" for i in range(9)]
+        assert channel.counters["largest_batch"] == 4 and channel.queued() == 0
+        assert [(await c)[1]["echo"] for c in a_calls] == [f"a{i}" for i in range(1, 9)]
+
+    asyncio.run(main())

@@ -206,6 +206,22 @@ def _fault(scheduler, args: dict) -> dict:
             "unexpected": bool(args.get("unexpected", False))}
 
 
+@op("batch")
+def _batch(scheduler, args: dict) -> dict:
+    """Several ops in one message (the HTTP process's :class:`~sgl_agentcache.server.control_channel.
+    ControlChannel`), applied in the batch's order on every rank; one ``[status, result]`` per op,
+    each as if it had come alone (a failing op does not stop the others)."""
+    replies = []
+    for item in args.get("ops", ()):
+        name, op_args = item
+        if name == "batch":
+            replies.append([400, {"error": "a batch cannot hold a batch"}])
+            continue
+        reply = handle_ctl(scheduler, AgentCacheCtl(op=name, args=dict(op_args)))
+        replies.append([reply.status, reply.result])
+    return {"replies": replies}
+
+
 def handle_ctl(scheduler, msg: AgentCacheCtl) -> AgentCacheCtlOut:
     """Scheduler-side dispatch. Never raises: a bad message must not take the scheduler down."""
     handler = OPS.get(msg.op)

@@ -25,8 +25,14 @@ time-based lives here, in the one HTTP process, and reaches the schedulers as me
 - a pause that follows a response (a ``tool_class`` hint, or an inferred chat pause) runs in the
   background (:meth:`PauseCoordinator.pause_soon`): the response's final chunk is never held back for
   the scheduler round trip. Order is kept where it matters: the branch's next request, and every
-  pause, resume or prefetch of that branch, waits for it (:meth:`PauseCoordinator.settle`); every other
-  control route waits for all pending pauses, so what a client reads after a response includes it;
+  pause, resume or prefetch of that branch, waits for it (:meth:`PauseCoordinator.settle`); a control
+  route waits for the pending pauses of what it reads or changes (a tenant's stats: its namespace's; a
+  close: its branch's or session's; an operator's view: all), so what a client reads after a response
+  includes it, and never for another tenant's. A namespace has at most ``AGENTCACHE_MAX_PENDING_PAUSES``
+  (default 64) background pauses pending, and ``AGENTCACHE_MAX_PAUSED_BRANCHES`` (default 16,384)
+  branches paused; more are shed (counted ``pauses_shed``: the branch is simply not paused, as if the
+  hint had no ``tool_class``; the route answers 429), so one tenant's burst cannot queue up work that
+  every later call of its own waits for, nor hold timers without bound;
 - prefetch lead time (from "nearly done" to the actual resume) is measured here; when its median over
   the last window falls below ``AGENTCACHE_PREFETCH_MIN_LEAD_MS`` prefetch is refused here (the
   scheduler separately turns it off when its precision falls).
@@ -46,12 +52,13 @@ import logging
 import os
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import msgspec
 
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.distributions import LogNormal
 from sgl_agentcache.policy.idle import IDLE_CLASS, IdleBranches
 from sgl_agentcache.policy.join import Subagents
@@ -67,6 +74,15 @@ EVENT_LOG_ENV = "AGENTCACHE_EVENT_LOG"
 TOOL_PRIORS_ENV = "AGENTCACHE_TOOL_PRIORS"
 #: Seconds between two sweeps for idle branches (see IdleBranches); "0" turns idle pricing off.
 IDLE_SWEEP_ENV = "AGENTCACHE_IDLE_SWEEP_S"
+#: Background pauses one namespace may have pending at once (see PauseCoordinator.pause_soon).
+MAX_PENDING_ENV = "AGENTCACHE_MAX_PENDING_PAUSES"
+#: Branches one namespace may have paused at once (a pause past it is refused: 429, nothing changed).
+MAX_PAUSED_ENV = "AGENTCACHE_MAX_PAUSED_BRANCHES"
+#: Prefetch lead times remembered per namespace (the window whose median gates prefetch), and namespaces
+#: remembered (the least recently used one's window is forgotten past it: its prefetch is on again).
+LEAD_WINDOW = 32
+LEAD_NAMESPACES = 4096
+_UNBOUNDED = 1 << 62  # a NamespacedLRU only ever filled with bound=False: its caller refuses past its own bound
 
 
 def tool_priors_from_env() -> dict[str, LogNormal]:
@@ -100,20 +116,26 @@ class PauseCoordinator:
     clock: Callable[[], float] = time.monotonic
     book: LatencyBook = field(default_factory=lambda: LatencyBook(priors=tool_priors_from_env()))
     idle_sweep_s: float = field(default_factory=lambda: float(os.environ.get(IDLE_SWEEP_ENV, 2)))
+    max_pending: int = field(default_factory=lambda: int(os.environ.get(MAX_PENDING_ENV, 64)))
+    max_paused: int = field(default_factory=lambda: int(os.environ.get(MAX_PAUSED_ENV, 16_384)))
     events: EventLog = field(default_factory=lambda: EventLog(os.environ.get(EVENT_LOG_ENV)))
 
     def __post_init__(self) -> None:
         self._metrics = None  # created on first use, in a server with --enable-metrics
-        self.active: dict[tuple[str, str, str], _Active] = {}
-        self.leads: deque[float] = deque(maxlen=32)
+        # Paused branches, by namespace: at most max_paused each (pause refuses more; nothing is evicted,
+        # since an entry holds the deadline that releases the branch on every tier).
+        self.active: NamespacedLRU[tuple[str, str, str], _Active] = NamespacedLRU(_UNBOUNDED)
+        # Each namespace's recent prefetch lead times: one tenant's fast prefetches never turn another's off.
+        self.leads: NamespacedLRU[str, deque] = NamespacedLRU(LEAD_NAMESPACES, 1, namespace_of=lambda ns: ns)
         self.measured: dict = {}  # rank 0's measured transfer bandwidths, relayed in every pause message
         self.pending: dict[tuple[str, str, str], asyncio.Task] = {}  # background pauses not yet applied
+        self.pending_by_namespace: Counter = Counter()  # keys of self.pending, by namespace (the bound)
         self.subagents = Subagents(self.book)
         self.idle = IdleBranches(self.book)
         self._sweeper: asyncio.Task | None = None
         self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
                          "deadline_clipped": 0, "prefetch_refused_lead": 0, "join_pauses": 0, "join_repriced": 0,
-                         "idle_pauses": 0}
+                         "idle_pauses": 0, "pauses_shed": 0}
 
     def _count(self, event: str) -> None:
         self.counters[event] += 1
@@ -132,20 +154,35 @@ class PauseCoordinator:
     def _args(namespace: str, session: str, branch: str) -> dict:
         return {"namespace": namespace, "session": session, "branch": branch}
 
-    def pause_soon(self, namespace: str, session: str, branch: str, **kwargs) -> asyncio.Task:
+    def pause_soon(self, namespace: str, session: str, branch: str, **kwargs) -> asyncio.Task | None:
         """Start :meth:`pause` in the background and return at once (a response's final chunk does not
         wait for the scheduler round trip). Until it is applied, the branch's next request, pause,
-        resume and prefetch wait for it, and so does every other control route (:meth:`settle`). A
-        failure is logged, never raised: a pause must never fail the call it follows."""
+        resume and prefetch wait for it, and so do the control routes that read or change it
+        (:meth:`settle`). A failure is logged, never raised: a pause must never fail the call it
+        follows. None: the namespace already has :attr:`max_pending` pauses pending, and this one is
+        shed (the branch stays unpaused)."""
         key = (namespace, session, branch)
+        if key not in self.pending and self.pending_by_namespace[namespace] >= self.max_pending:
+            self._count("pauses_shed")
+            return None
         return self._in_background(key, self._pause_logged(key, kwargs))
 
     def _in_background(self, key: tuple[str, str, str], work) -> asyncio.Task:
         """Run ``work`` (a coroutine that changes ``key``'s pause) as ``key``'s pending task: what
         :meth:`settle` waits for; it leaves :attr:`pending` when done (unless replaced meanwhile)."""
+        if key not in self.pending:
+            self.pending_by_namespace[key[0]] += 1
         task = self.pending[key] = asyncio.get_running_loop().create_task(work)
-        task.add_done_callback(lambda done: self.pending.pop(key) if self.pending.get(key) is done else None)
+        task.add_done_callback(lambda done: self._applied(key, done))
         return task
+
+    def _applied(self, key: tuple[str, str, str], task: asyncio.Task) -> None:
+        if self.pending.get(key) is not task:  # replaced by a later task of the same key: that one counts
+            return
+        del self.pending[key]
+        self.pending_by_namespace[key[0]] -= 1
+        if not self.pending_by_namespace[key[0]]:
+            del self.pending_by_namespace[key[0]]
 
     async def _pause_logged(self, key: tuple[str, str, str], kwargs: dict) -> tuple[int, dict] | None:
         try:
@@ -159,13 +196,15 @@ class PauseCoordinator:
         """Some of ``keys`` ((namespace, session, branch)) have a background pause not yet applied."""
         return bool(self.pending) and any(key in self.pending for key in keys)
 
-    async def settle(self, keys=None) -> None:
-        """Wait until the background pauses of ``keys`` (all of them when None) are applied; never the
-        caller's own task. Waiting never cancels them (a client that disconnects meanwhile does not
-        undo a pause)."""
+    async def settle(self, keys=None, *, namespace: str | None = None, session: str | None = None) -> None:
+        """Wait until the background pauses of ``keys`` ((namespace, session, branch)), or of one
+        ``namespace`` (and ``session``), are applied; all of them when nothing is named (an operator's
+        view). Never the caller's own task. Waiting never cancels them (a client that disconnects
+        meanwhile does not undo a pause)."""
         current = asyncio.current_task()
         tasks = [task for key, task in list(self.pending.items())
-                 if task is not current and (keys is None or key in keys)]
+                 if task is not current and (keys is None or key in keys)
+                 and (namespace is None or key[0] == namespace) and (session is None or key[1] == session)]
         if tasks:
             await asyncio.wait(tasks)
 
@@ -178,6 +217,10 @@ class PauseCoordinator:
         no deadline."""
         key = (namespace, session, branch)
         await self.settle((key,))  # an earlier background pause of the branch is applied first
+        if key not in self.active and self.active.namespace_size(namespace) >= self.max_paused:
+            self._count("pauses_shed")
+            return 429, {"error": f"this namespace already has {self.max_paused} paused branches "
+                                  f"({MAX_PAUSED_ENV}); resume or close some first (nothing changed)"}
         max_retention = self.max_retention_s
         if ceilings is not None and ceilings.max_retention_s is not None:
             max_retention = min(max_retention, ceilings.max_retention_s)
@@ -213,7 +256,8 @@ class PauseCoordinator:
             self._count("deadline_clipped")
         if result.get("paused"):
             started = self.clock() if idle_since is None else idle_since  # a resume learns the whole gap
-            active = self.active[key] = _Active(tool_class, started, reprice=kept)
+            active = _Active(tool_class, started, reprice=kept)
+            self.active.put(key, active, bound=False)
             if idle_since is None:
                 active.timer = asyncio.get_running_loop().create_task(self._expire_after(key, deadline_s))
         self._emit("tool_wait", self._args(*key), tool_class=tool_class, action=result.get("action"),
@@ -224,12 +268,16 @@ class PauseCoordinator:
     async def resume(self, namespace: str, session: str, branch: str, *, by_request: bool = False) -> tuple[int, dict]:
         key = (namespace, session, branch)
         await self.settle((key,))
-        active = self.active.pop(key, None)
+        active = self.active.pop(key)
         if active is not None:
             waited = self.clock() - active.started
             self.book.observe(namespace, active.tool_class, waited)
             if active.nearly_done_at is not None:
-                self.leads.append(self.clock() - active.nearly_done_at)
+                window = self.leads.get(namespace)
+                if window is None:
+                    window = deque(maxlen=LEAD_WINDOW)
+                self.leads.put(namespace, window)
+                window.append(self.clock() - active.nearly_done_at)
             if active.timer is not None:
                 active.timer.cancel()
             self._count("resumes_by_request" if by_request else "resumes")
@@ -250,9 +298,10 @@ class PauseCoordinator:
         active = self.active.get(key)
         if active is None:
             return 404, {"error": f"branch {session}/{branch} is not paused (nothing changed)"}
-        if len(self.leads) >= 8 and statistics.median(self.leads) < self.min_lead_s:
+        leads = self.leads.get(namespace) or ()
+        if len(leads) >= 8 and statistics.median(leads) < self.min_lead_s:
             self._count("prefetch_refused_lead")
-            return 200, {"prefetched": False, "reason": f"prefetch lead time {statistics.median(self.leads):.3g} s "
+            return 200, {"prefetched": False, "reason": f"prefetch lead time {statistics.median(leads):.3g} s "
                                                         f"< {self.min_lead_s:.3g} s: prefetch is off"}
         active.nearly_done_at = self.clock()
         caps = ceilings.caps() if ceilings is not None else {}
@@ -337,7 +386,7 @@ class PauseCoordinator:
     def forget(self, namespace: str, session: str | None = None, branch: str | None = None) -> None:
         """A branch (or session) closed: its timers go, and each pause it ended counts against its tool
         class's resume rate (the close likelihood). A closed subagent's lifetime is learned."""
-        for key in [k for k in self.active if k[0] == namespace and k[1] == session
+        for key in [k for k, _ in self.active.namespace_items(namespace) if k[1] == session
                     and (branch is None or k[2] == branch)]:
             self.book.observe_end(namespace, self.active[key].tool_class)
             self._cancel(key)
@@ -358,16 +407,17 @@ class PauseCoordinator:
 
     def purge(self, namespace: str) -> int:
         """A tenant was purged: its timers and its learned tool latencies go. Returns pauses dropped."""
-        keys = [k for k in self.active if k[0] == namespace]
+        keys = [k for k, _ in self.active.namespace_items(namespace)]
         for key in keys:
             self._cancel(key)
         self.subagents.namespace_ended(namespace)
         self.idle.namespace_ended(namespace)
+        self.leads.pop(namespace)
         self.book.forget_namespace(namespace)
         return len(keys)
 
     def _cancel(self, key) -> None:
-        active = self.active.pop(key, None)
+        active = self.active.pop(key)
         if active is not None and active.timer is not None:
             active.timer.cancel()
 
@@ -375,7 +425,7 @@ class PauseCoordinator:
         await asyncio.sleep(delay)
         if self.active.get(key) is None:
             return
-        self.active.pop(key, None)
+        self.active.pop(key)
         status, result = await self.send("expire", self._args(*key))
         self._count("deadline_expiries")
         self._emit("cancelled", self._args(*key), reason="deadline", freed_tokens=result.get("freed_tokens"))
@@ -384,7 +434,9 @@ class PauseCoordinator:
     def stats(self, namespace: str | None = None) -> dict:
         """Everything, or (``namespace``) only what that namespace may see of its own pauses."""
         if namespace is not None:
-            return {"active_pauses": sum(k[0] == namespace for k in self.active),
+            leads = self.leads.get(namespace)
+            return {"active_pauses": self.active.namespace_size(namespace),
+                    "prefetch_lead_median_s": statistics.median(leads) if leads else None,
                     "latency_models": {c: {"observations": m.observations, "p50_s": m.quantile(0.5),
                                            "p99_s": m.quantile(0.99)}
                                        for (_, c), m in self.book.items(namespace)}}
@@ -392,6 +444,6 @@ class PauseCoordinator:
                   for (t, c), m in self.book.items()[-32:]}
         return {"active_pauses": len(self.active), **self.counters, "latency_models": models,
                 "idle_branches": len(self.idle.since), "pending_pauses": len(self.pending),
-                "prefetch_lead_median_s": statistics.median(self.leads) if self.leads else None,
+                "prefetch_lead_namespaces": len(self.leads),
                 "max_retention_s": self.max_retention_s, "event_log": self.events.path,
                 "events_written": self.events.written, "events_dropped": self.events.dropped + self.events.failed}

@@ -1,8 +1,9 @@
 """The ``/agentcache/*`` routes, added to SGLang's own FastAPI app in the HTTP server process.
 
-Handlers only translate HTTP to a control message (``control.call_schedulers``) and back; all cache
-logic runs in the scheduler. SGLang's ``--api-key`` middleware covers these routes too; with tenancy on
-(``AGENTCACHE_TENANTS``) every call is bound to the caller's tenant namespace (see ``auth.py``).
+Handlers only translate HTTP to a control message (sent through ``control_channel.ControlChannel``)
+and back; all cache logic runs in the scheduler. SGLang's ``--api-key`` middleware covers these routes
+too; with tenancy on (``AGENTCACHE_TENANTS``) every call is bound to the caller's tenant namespace (see
+``auth.py``).
 """
 
 from __future__ import annotations
@@ -20,17 +21,30 @@ from sgl_agentcache.hints import (BranchRef, HintError, PauseRef, PrefetchRef, S
 from sgl_agentcache.lifecycle import namespace_key
 from sgl_agentcache.server import auth, chat_hooks
 from sgl_agentcache.server.control import call_schedulers
+from sgl_agentcache.server.control_channel import ControlChannel
 from sgl_agentcache.server.coordinator import PauseCoordinator
 from sgl_agentcache.tenancy import Ceilings, CredentialError, Identity
 
 router = APIRouter(prefix="/agentcache", tags=["agentcache"])
 
 
-async def _send(op_name: str, args: dict) -> tuple[int, dict]:
+async def _send_batch(ops: list[tuple[str, dict]]) -> list[tuple[int, dict]]:
     from sglang.srt.entrypoints.http_server import get_global_state
 
-    reply = await call_schedulers(get_global_state().tokenizer_manager, op_name, args)
-    return reply.status, reply.result
+    reply = await call_schedulers(get_global_state().tokenizer_manager, "batch",
+                                  {"ops": [[op_name, args] for op_name, args in ops]})
+    if reply.status != 200:  # the batch itself was refused (no agentcache backend...): so is each op
+        return [(reply.status, reply.result)] * len(ops)
+    return [(status, result) for status, result in reply.result["replies"]]
+
+
+#: Every control op of this process goes through one channel: batched, each namespace served in turn.
+channel = ControlChannel(_send_batch)
+
+
+async def _send(op_name: str, args: dict) -> tuple[int, dict]:
+    """One control op, in the lane of the namespace it concerns (operator ops share the lane ``""``)."""
+    return await channel.call(str(args.get("namespace") or ""), op_name, args)
 
 
 #: The HTTP process's pause coordinator (clocks, latency book, deadlines); see coordinator.py.
@@ -45,9 +59,9 @@ async def _body(request: Request, kind: type):
 
 
 async def _forward(op_name: str, args: dict | None = None, extra: dict | None = None) -> JSONResponse:
-    """Run a control op once every background pause is applied (what a client reads or changes after
-    a response includes the pause that response started)."""
-    await coordinator.settle()
+    """Run a control op and answer with its result. The caller first settles the background pauses
+    of what the op reads or changes (what a client reads or changes after a response includes the
+    pause that response started; never another tenant's)."""
     status, result = await _send(op_name, args or {})
     return JSONResponse(result | extra if status == 200 and extra else result, status_code=status)
 
@@ -83,16 +97,18 @@ async def _scoped(request: Request, kind: type) -> _Scope | JSONResponse:
 @router.get("/stats")
 async def stats(request: Request) -> JSONResponse:
     """Operators (and every caller without tenancy): backend identity, resident tokens per lifecycle
-    class, size counters (scheduler rank 0's tree). A tenant: its own namespace only."""
-    await coordinator.settle()
+    class, size counters (scheduler rank 0's tree). A tenant: its own namespace only (and it waits
+    only for its own namespace's pending pauses)."""
     identity = auth.identity_of(request)
     if auth.tenancy is not None and identity is not None and identity.tenant is not None:
         namespace = namespace_key(None, auth.bound_salt(identity))
+        await coordinator.settle(namespace=namespace)
         return await _forward("stats", {"namespace": namespace}, extra={
             "tenant": identity.tenant, "ceilings": msgspec.to_builtins(auth.ceilings_for(identity)),
             "coordinator": coordinator.stats(namespace)})
+    await coordinator.settle()
     extra = {"backend": BACKEND_NAME, "version": __version__, "coordinator": coordinator.stats(),
-             "chat_inference": chat_hooks.stats()}
+             "chat_inference": chat_hooks.stats(), "control_channel": channel.stats()}
     if auth.tenancy is not None:
         extra["trust"] = auth.trust.stats()
     return await _forward("stats", extra=extra)
@@ -101,12 +117,14 @@ async def stats(request: Request) -> JSONResponse:
 @router.get("/check")
 async def check() -> JSONResponse:
     """Run the tree-integrity check (conservation checks apply only when the scheduler is idle)."""
+    await coordinator.settle()
     return await _forward("check")
 
 
 @router.get("/deletions")
 async def deletions() -> JSONResponse:
     """Every node deletion so far, in order (diagnostics; needs AGENTCACHE_RECORD_EVICTIONS=1)."""
+    await coordinator.settle()
     return await _forward("deletions")
 
 
@@ -141,7 +159,8 @@ async def branch_close(request: Request) -> JSONResponse:
     if isinstance(scope, JSONResponse):
         return scope
     ref = scope.ref
-    await coordinator.settle()  # a pause still being applied is closed with the branch, not after it
+    # A pause still being applied is closed with the branch, not after it.
+    await coordinator.settle([(scope.namespace, ref.session, ref.branch)])
     coordinator.forget(scope.namespace, ref.session, ref.branch)
     response = await _forward("branch_close", {"namespace": scope.namespace, "session": ref.session,
                                                "branch": ref.branch})
@@ -158,7 +177,7 @@ async def session_close(request: Request) -> JSONResponse:
     if isinstance(scope, JSONResponse):
         return scope
     ref = scope.ref
-    await coordinator.settle()
+    await coordinator.settle(namespace=scope.namespace, session=ref.session)
     coordinator.forget(scope.namespace, ref.session)
     if scope.identity is not None:
         auth.tenancy.tombstone(scope.identity.tenant, ref.session, time.time())
@@ -223,7 +242,7 @@ async def purge(request: Request) -> JSONResponse:
     if ref.tenant not in auth.tenancy.config.tenants:
         return JSONResponse({"error": f"unknown tenant {ref.tenant!r} (nothing changed)"}, status_code=404)
     salt = auth.tenancy.salt(ref.tenant)
-    await coordinator.settle()
+    await coordinator.settle(namespace=namespace_key(None, salt))
     dropped = coordinator.purge(namespace_key(None, salt))
     chat_hooks.forget_namespace(namespace_key(None, salt))
     response = await _forward("purge", {"cache_salt": salt}, extra={"tenant": ref.tenant, "pauses_dropped": dropped})
@@ -242,6 +261,7 @@ async def fault(request: Request) -> JSONResponse:
         body = msgspec.json.decode(await request.body(), type=dict[str, str | int | bool])
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         return JSONResponse({"error": f"invalid body: {exc}"}, status_code=400)
+    await coordinator.settle()
     return await _forward("fault", body)
 
 
