@@ -19,18 +19,21 @@ whose own request is still running, or that shares history with a branch and the
 fork of it (a subagent: it shares the parent's exact nodes and its own are its scratch). One that
 shares no message past the system messages with any branch is an independent conversation of the
 session (a client reusing one ``prompt_cache_key`` for unrelated chats): a new branch without a parent.
-Branch names are never reused within a process (``m<n>``, ``f<n>``), so a branch closed when idle
-never receives tokens again.
+Branch names are never reused within a process (``m`` / ``f`` and a keyed hash of a counter), so a
+branch closed when idle never receives tokens again; they reveal nothing of other tenants' chats.
 
 Idle: a branch with no request in flight for ``idle_s`` is closed (its private KV is reclaimed on
 every tier), after the branches forked from it (a parent's history stays while a fork may still use
 it). The caller never closes a branch paused on a tool (its deadline governs it); the pause's end
 makes it idle-countable again.
 
-Bounded: at most ``max_sessions`` sessions per process, ``max_branches`` per session and
-``max_fingerprints`` message fingerprints in all; past a bound the least recently used idle session
-(or branch) is forgotten and returned for closing. Forgetting only costs cache reuse, never
-correctness: the next request of a forgotten session starts a new branch.
+Bounded per namespace and in all (sessions, message fingerprints; branches per session); past a bound
+the least recently used idle session (or branch) *of the namespace over its share* is forgotten and
+returned for closing, so one tenant's flood never forgets another's conversations. Forgetting only
+costs cache reuse, never correctness: the next request of a forgotten session starts a new branch.
+A request refused before it runs (too long for the context, a bad field) leaves nothing behind:
+:meth:`ChatInference.assign` records, :meth:`~ChatInference.commit` counts once the request is
+accepted, :meth:`~ChatInference.rollback` takes it back otherwise.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
+
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 
 #: "chat": infer hints for OpenAI chat requests that carry none; anything else (default ""): off.
 INFER_ENV = "AGENTCACHE_INFER"
@@ -180,6 +185,23 @@ class _Session:
     def fingerprints(self) -> int:
         return sum(len(b.fingerprints) for b in self.branches.values())
 
+    def busy(self) -> bool:
+        return any(b.in_flight for b in self.branches.values())
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What :meth:`ChatInference.assign` recorded for one request, so that :meth:`ChatInference.commit`
+    can make it count (the request was accepted) or :meth:`ChatInference.rollback` take it back (it
+    was refused before it ran: then inference keeps nothing of it)."""
+
+    namespace: str
+    inferred: Inferred
+    previous: tuple[bytes, ...] | None  # the branch's fingerprints before (None: the branch was new)
+    recorded: tuple[bytes, ...]  # what this request set them to
+    new_session: bool
+    kind: str  # "continued", "forks" or "new_branches" (its counter)
+
 
 def _common(a: tuple, b: tuple) -> int:
     n = min(len(a), len(b))
@@ -197,31 +219,61 @@ def _common(a: tuple, b: tuple) -> int:
 
 class ChatInference:
     """Sessions and branches inferred from chat requests, per namespace (see the module docstring).
-    Every method takes the caller's clock reading ``now``; nothing here reads a clock."""
+    Every method takes the caller's clock reading ``now``; nothing here reads a clock.
+
+    Bounds, each per namespace and in all (a tenant's flood forgets only its own state, see
+    :class:`~sgl_agentcache.namespaced_lru.NamespacedLRU`): ``max_sessions`` sessions in all and
+    ``max_sessions_per_namespace`` in one; ``max_fingerprints`` message fingerprints in all and
+    ``max_fingerprints_per_namespace`` in one (over the first, the namespace holding the most gives
+    up its least recently used idle session); ``max_branches`` per session.
+
+    Branch names are ``m`` / ``f`` and a keyed hash of a process-wide counter (``name_key``, random by
+    default): unique for the process's life, and they tell a tenant nothing about how many chats other
+    tenants started."""
 
     def __init__(self, idle_s: float = 300.0, max_sessions: int = 4096, max_branches: int = 32,
-                 max_fingerprints: int = 1 << 20):
+                 max_fingerprints: int = 1 << 20, *, max_sessions_per_namespace: int | None = None,
+                 max_fingerprints_per_namespace: int | None = None, name_key: bytes | None = None):
         self.idle_s = idle_s
-        self.max_sessions, self.max_branches, self.max_fingerprints = max_sessions, max_branches, max_fingerprints
-        self.sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()  # (namespace, session) -> state
+        self.max_branches, self.max_fingerprints = max_branches, max_fingerprints
+        self.max_fingerprints_per_namespace = min(max_fingerprints_per_namespace or max(max_fingerprints // 4, 1),
+                                                  max_fingerprints)
+        # (namespace, session) -> state, least recently used first within each namespace. A session with
+        # a request in flight is passed over (the caller's closes must never cut one off).
+        self.sessions: NamespacedLRU[tuple[str, str], _Session] = NamespacedLRU(
+            max_sessions, max_sessions_per_namespace or max(max_sessions // 4, 1),
+            retained=lambda key: self.sessions.get(key).busy())
+        self.fingerprints_by_namespace: Counter = Counter()
         self.fingerprint_count = 0
+        self._name_key = os.urandom(16) if name_key is None else name_key
         self._next = 0
         self.counters = {"requests": 0, "continued": 0, "forks": 0, "new_branches": 0, "idle_closes": 0,
-                         "forgotten_branches": 0}
+                         "forgotten_branches": 0, "refused": 0}
 
     def _name(self, kind: str) -> str:
         self._next += 1
-        return f"{kind}{self._next}"
+        return kind + hashlib.blake2b(self._next.to_bytes(8, "little"), key=self._name_key, digest_size=6).hexdigest()
 
-    def assign(self, namespace: str, turn: ChatTurn, now: float) -> tuple[Inferred, list[tuple[str, str, str]]]:
-        """The branch ``turn`` belongs to (marked in flight until :meth:`done`), and the branches the
-        bounds made this forget, as ``(namespace, session, branch)`` for the caller to close."""
-        self.counters["requests"] += 1
+    def _set_fingerprints(self, namespace: str, branch: _Branch, fps: tuple) -> None:
+        delta = len(fps) - len(branch.fingerprints)
+        self.fingerprint_count += delta
+        self.fingerprints_by_namespace[namespace] += delta
+        if not self.fingerprints_by_namespace[namespace]:
+            del self.fingerprints_by_namespace[namespace]
+        branch.fingerprints = fps
+
+    def assign(self, namespace: str, turn: ChatTurn, now: float) -> tuple[Inferred, Assignment]:
+        """The branch ``turn`` belongs to, recorded at once (marked in flight until :meth:`done`) so
+        that requests arriving meanwhile see it, but not yet counted against the bounds: the caller
+        :meth:`commit`s it once the request is accepted, or :meth:`rollback`s it if it is refused."""
         key = (namespace, turn.session)
         session = self.sessions.get(key)
-        if session is None:
-            session = self.sessions[key] = _Session()
-        self.sessions.move_to_end(key)
+        new_session = session is None
+        if new_session:
+            session = _Session()
+            self.sessions.put(key, session, bound=False)  # the bounds apply at commit
+        else:
+            self.sessions.touch(key)
         fps = turn.fingerprints
         longest, longest_free, closest, closest_len = 0, None, None, 0
         extending: list[tuple[int, str]] = []  # branches whose whole last request this turn repeats
@@ -236,25 +288,49 @@ class ChatInference:
             if common == longest and session.branches[name].in_flight == 0:
                 longest_free = name
         if longest_free is not None:  # a tool result, the next turn: the same branch goes on
-            name, parent, shared, continued = longest_free, session.branches[longest_free].parent, 0, True
-            self.counters["continued"] += 1
+            name, parent, shared, kind = longest_free, session.branches[longest_free].parent, 0, "continued"
         elif closest is not None and closest_len > turn.leading_system:
             # Shares real history with a branch that is busy, or takes it somewhere else: a subagent.
-            name, parent, shared, continued = self._name("f"), closest, closest_len, False
-            self.counters["forks"] += 1
+            name, parent, shared, kind = self._name("f"), closest, closest_len, "forks"
         else:
-            name, parent, shared, continued = self._name("m"), None, 0, False
-            self.counters["new_branches"] += 1
+            name, parent, shared, kind = self._name("m"), None, 0, "new_branches"
         branch = session.branches.get(name)
+        previous = None if branch is None else branch.fingerprints
         if branch is None:
             branch = session.branches[name] = _Branch((), parent)
-        self.fingerprint_count += len(fps) - len(branch.fingerprints)
-        branch.fingerprints = fps
+        self._set_fingerprints(namespace, branch, fps)
         branch.in_flight += 1
         branch.last_seen = now
         session.branches.move_to_end(name)
-        forgotten = self._bound(key)
-        return Inferred(turn.session, name, parent, shared, turn.source, continued), forgotten
+        inferred = Inferred(turn.session, name, parent, shared, turn.source, kind == "continued")
+        return inferred, Assignment(namespace, inferred, previous, fps, new_session, kind)
+
+    def commit(self, assignment: Assignment) -> list[tuple[str, str, str]]:
+        """The request was accepted: count it, and enforce the bounds. Returns the branches the bounds
+        made this forget, as ``(namespace, session, branch)``, for the caller to close."""
+        self.counters["requests"] += 1
+        self.counters[assignment.kind] += 1
+        return self._bound((assignment.namespace, assignment.inferred.session))
+
+    def rollback(self, assignment: Assignment, now: float) -> None:
+        """The request was refused before it ran: take back what :meth:`assign` recorded (the branch's
+        fingerprints as they were, unless a later request has changed them since; a branch or session
+        it created, once nothing else uses it)."""
+        a, inferred = assignment, assignment.inferred
+        self.counters["refused"] += 1
+        key = (a.namespace, inferred.session)
+        session = self.sessions.get(key)
+        branch = session.branches.get(inferred.branch) if session is not None else None
+        if branch is None:
+            return
+        branch.in_flight = max(branch.in_flight - 1, 0)
+        if branch.fingerprints is a.recorded:
+            if a.previous is None and branch.in_flight == 0:
+                self._forget(key, inferred.branch)
+            elif a.previous is not None:
+                self._set_fingerprints(a.namespace, branch, a.previous)
+        if a.new_session and not session.branches:
+            self.sessions.pop(key)
 
     def done(self, namespace: str, session: str, branch: str, now: float) -> None:
         """A request of ``branch`` ended (answered, failed or aborted)."""
@@ -270,7 +346,7 @@ class ChatInference:
         busy = set(busy)
         closed = []
         for key in list(self.sessions):
-            session = self.sessions[key]
+            session = self.sessions.get(key)
             while True:  # children first: a parent stays open while a branch forked from it is tracked
                 parents = {b.parent for b in session.branches.values()}
                 idle = [n for n, b in session.branches.items() if n not in parents and b.in_flight == 0
@@ -282,48 +358,72 @@ class ChatInference:
                     closed.append((*key, name))
                     self.counters["idle_closes"] += 1
             if not session.branches:
-                del self.sessions[key]
+                self.sessions.pop(key)
         return closed
 
     def forget_session(self, namespace: str, session: str) -> None:
         """The session was closed by other means (a route, a purge): drop its state."""
-        state = self.sessions.pop((namespace, session), None)
+        state = self.sessions.pop((namespace, session))
         if state is not None:
-            self.fingerprint_count -= state.fingerprints()
+            self._uncount(namespace, state)
 
     def forget_namespace(self, namespace: str) -> None:
-        for key in [k for k in self.sessions if k[0] == namespace]:
-            self.forget_session(*key)
+        for _, state in self.sessions.pop_namespace(namespace):
+            self._uncount(namespace, state)
+
+    def _uncount(self, namespace: str, state: _Session) -> None:
+        for branch in state.branches.values():
+            self._set_fingerprints(namespace, branch, ())
 
     def _forget(self, key: tuple[str, str], name: str) -> None:
-        branch = self.sessions[key].branches.pop(name)
-        self.fingerprint_count -= len(branch.fingerprints)
+        branch = self.sessions.get(key).branches.pop(name)
+        self._set_fingerprints(key[0], branch, ())
 
     def _bound(self, current: tuple[str, str]) -> list[tuple[str, str, str]]:
         """Enforce the bounds, forgetting least recently used idle branches first (never one in
-        flight, never the current session's newest branch)."""
+        flight, never the current session's newest branch), each in the namespace over its share."""
         forgotten = []
-        session = self.sessions[current]
+        session = self.sessions.get(current)
+        if session is None:  # forgotten by the idle sweep meanwhile
+            return forgotten
         while len(session.branches) > self.max_branches:
             name = next((n for n, b in session.branches.items() if b.in_flight == 0), None)
             if name is None:
                 break
             self._forget(current, name)
             forgotten.append((*current, name))
-        while len(self.sessions) > self.max_sessions or self.fingerprint_count > self.max_fingerprints:
-            victim = next((k for k, s in self.sessions.items()
-                           if k != current and all(b.in_flight == 0 for b in s.branches.values())), None)
-            if victim is None:
+        for key, state in self.sessions.enforce(current):  # the session-count bounds (LRU, per namespace)
+            self._uncount(key[0], state)
+            forgotten.extend((*key, n) for n in state.branches)
+        while self.fingerprints_by_namespace[current[0]] > self.max_fingerprints_per_namespace:
+            if not self._forget_oldest(current[0], current, forgotten):
                 break
-            forgotten.extend((*victim, n) for n in self.sessions[victim].branches)
-            self.forget_session(*victim)
+        while self.fingerprint_count > self.max_fingerprints:
+            namespace = max(self.fingerprints_by_namespace, key=self.fingerprints_by_namespace.__getitem__)
+            if not self._forget_oldest(namespace, current, forgotten):
+                break
         self.counters["forgotten_branches"] += len(forgotten)
         return forgotten
 
-    def stats(self) -> dict:
-        return {"sessions": len(self.sessions), "branches": sum(len(s.branches) for s in self.sessions.values()),
+    def _forget_oldest(self, namespace: str, keep: tuple[str, str], forgotten: list) -> bool:
+        """Forget ``namespace``'s least recently used idle session (not ``keep``); False if none."""
+        victim = next((k for k, s in self.sessions.namespace_items(namespace) if k != keep and not s.busy()), None)
+        if victim is None:
+            return False
+        forgotten.extend((*victim, n) for n in self.sessions.get(victim).branches)
+        self.forget_session(*victim)
+        return True
+
+    def stats(self, namespace: str | None = None) -> dict:
+        """Everything, or (``namespace``) only that namespace's own state."""
+        if namespace is not None:
+            sessions = self.sessions.namespace_items(namespace)
+            return {"sessions": len(sessions), "branches": sum(len(s.branches) for _, s in sessions),
+                    "fingerprints": self.fingerprints_by_namespace[namespace], "idle_s": self.idle_s}
+        return {"sessions": len(self.sessions),
+                "branches": sum(len(s.branches) for _, s in self.sessions.items()),
                 "fingerprints": self.fingerprint_count, "idle_s": self.idle_s, **self.counters}
 
 
-__all__ = ["ChatInference", "ChatTurn", "IDLE_ENV", "INFER_ENV", "Inferred", "canonical_message",
+__all__ = ["Assignment", "ChatInference", "ChatTurn", "IDLE_ENV", "INFER_ENV", "Inferred", "canonical_message",
            "idle_seconds", "infer_mode", "tool_names"]

@@ -28,6 +28,13 @@ def turn(messages, **ids):
     return ChatTurn.from_messages(messages, **ids)
 
 
+def assign(inf, namespace, chat_turn, now):
+    """An accepted request: assigned, then committed (what the server does once SGLang accepts it).
+    Returns the inferred hint and the branches the bounds forgot."""
+    inferred, assignment = inf.assign(namespace, chat_turn, now)
+    return inferred, inf.commit(assignment)
+
+
 def test_session_identity_prefers_explicit_keys_and_otherwise_hashes_the_opening():
     msgs = [SYSTEM, user("fix the bug")]
     assert turn(msgs, prompt_cache_key="k1").session.startswith("k-")
@@ -50,13 +57,13 @@ def test_canonical_form_ignores_how_a_client_serialized_arguments_and_empty_cont
 
 def test_a_tool_result_continues_the_branch_and_the_next_turn_too():
     inf = ChatInference()
-    first, _ = inf.assign(NS, turn([SYSTEM, user("go")]), now=0)
+    first, _ = assign(inf, NS, turn([SYSTEM, user("go")]), now=0)
     assert first.branch.startswith("m") and first.parent is None and not first.continued
     inf.done(NS, first.session, first.branch, now=1)
-    second, _ = inf.assign(NS, turn([SYSTEM, user("go"), call("grep"), result("x")]), now=2)
+    second, _ = assign(inf, NS, turn([SYSTEM, user("go"), call("grep"), result("x")]), now=2)
     assert (second.branch, second.continued) == (first.branch, True)
     inf.done(NS, second.session, second.branch, now=3)
-    third, _ = inf.assign(NS, turn([SYSTEM, user("go"), call("grep"), result("x"), {"role": "assistant",
+    third, _ = assign(inf, NS, turn([SYSTEM, user("go"), call("grep"), result("x"), {"role": "assistant",
                                                                                   "content": "done"},
                                     user("thanks")]), now=4)
     assert third.branch == first.branch and inf.counters["forks"] == 0
@@ -65,33 +72,33 @@ def test_a_tool_result_continues_the_branch_and_the_next_turn_too():
 def test_concurrent_requests_sharing_history_are_forks_of_the_lead():
     inf = ChatInference()
     history = [SYSTEM, user("plan"), call("spawn"), result("three tasks")]
-    lead, _ = inf.assign(NS, turn(history), now=0)
+    lead, _ = assign(inf, NS, turn(history), now=0)
     inf.done(NS, lead.session, lead.branch, now=1)
     # Three subagents start from the lead's history at once (each with its own task).
-    subs = [inf.assign(NS, turn(history + [user(f"task {i}")]), now=2)[0] for i in range(3)]
+    subs = [assign(inf, NS, turn(history + [user(f"task {i}")]), now=2)[0] for i in range(3)]
     assert subs[0].branch == lead.branch and subs[0].continued  # the first simply continues the lead
     assert all(s.parent == lead.branch and s.shared_messages == len(history) for s in subs[1:])
     assert len({s.branch for s in subs}) == 3
     # A subagent's own next request continues its own branch.
     inf.done(NS, subs[1].session, subs[1].branch, now=3)
-    again, _ = inf.assign(NS, turn(history + [user("task 1"), call("grep"), result("y")]), now=4)
+    again, _ = assign(inf, NS, turn(history + [user("task 1"), call("grep"), result("y")]), now=4)
     assert again.branch == subs[1].branch and again.continued
 
 
 def test_a_divergent_rewrite_is_a_fork_and_an_unrelated_chat_under_one_key_is_its_own_branch():
     inf = ChatInference()
-    a, _ = inf.assign(NS, turn([SYSTEM, user("task"), call("read"), result("big file")], prompt_cache_key="k"), 0)
+    a, _ = assign(inf, NS, turn([SYSTEM, user("task"), call("read"), result("big file")], prompt_cache_key="k"), 0)
     inf.done(NS, a.session, a.branch, 1)
-    edited, _ = inf.assign(NS, turn([SYSTEM, user("task"), user("summary of the file")], prompt_cache_key="k"), 2)
+    edited, _ = assign(inf, NS, turn([SYSTEM, user("task"), user("summary of the file")], prompt_cache_key="k"), 2)
     assert edited.parent == a.branch and edited.shared_messages == 2
-    other, _ = inf.assign(NS, turn([SYSTEM, user("unrelated")], prompt_cache_key="k"), 3)
+    other, _ = assign(inf, NS, turn([SYSTEM, user("unrelated")], prompt_cache_key="k"), 3)
     assert other.session == a.session and other.parent is None and other.branch not in (a.branch, edited.branch)
 
 
 def test_idle_branches_close_unless_busy_and_names_are_never_reused():
     inf = ChatInference(idle_s=10)
-    a, _ = inf.assign(NS, turn([SYSTEM, user("a")]), now=0)
-    b, _ = inf.assign(NS, turn([SYSTEM, user("b")]), now=0)
+    a, _ = assign(inf, NS, turn([SYSTEM, user("a")]), now=0)
+    b, _ = assign(inf, NS, turn([SYSTEM, user("b")]), now=0)
     inf.done(NS, a.session, a.branch, now=1)
     assert inf.idle(now=5) == []
     assert inf.idle(now=11) == [(NS, a.session, a.branch)]  # b is still in flight
@@ -99,32 +106,33 @@ def test_idle_branches_close_unless_busy_and_names_are_never_reused():
     assert inf.idle(now=30, busy=[(NS, b.session, b.branch)]) == []  # paused on a tool
     assert inf.idle(now=30) == [(NS, b.session, b.branch)]
     assert not inf.sessions and inf.fingerprint_count == 0
-    again, _ = inf.assign(NS, turn([SYSTEM, user("a")]), now=40)
+    again, _ = assign(inf, NS, turn([SYSTEM, user("a")]), now=40)
     assert again.branch not in (a.branch, b.branch)  # a closed branch never receives tokens again
 
 
 def test_bounds_forget_least_recently_used_idle_state():
-    inf = ChatInference(max_sessions=2, max_branches=2, max_fingerprints=100)
-    first, _ = inf.assign(NS, turn([SYSTEM, user("1")]), 0)
+    inf = ChatInference(max_sessions=2, max_branches=2, max_fingerprints=100, max_sessions_per_namespace=2,
+                        max_fingerprints_per_namespace=100)
+    first, _ = assign(inf, NS, turn([SYSTEM, user("1")]), 0)
     inf.done(NS, first.session, first.branch, 1)
-    inf.assign(NS, turn([SYSTEM, user("2")]), 2)
-    _, forgotten = inf.assign(NS, turn([SYSTEM, user("3")]), 3)
+    assign(inf, NS, turn([SYSTEM, user("2")]), 2)
+    _, forgotten = assign(inf, NS, turn([SYSTEM, user("3")]), 3)
     assert forgotten == [(NS, first.session, first.branch)] and len(inf.sessions) == 2
-    lead, _ = inf.assign("other", turn([SYSTEM, user("x")], user="u"), 4)
+    lead, _ = assign(inf, "other", turn([SYSTEM, user("x")], user="u"), 4)
     inf.done("other", lead.session, lead.branch, 5)
-    inf.assign("other", turn([SYSTEM, user("y")], user="u"), 6)
+    assign(inf, "other", turn([SYSTEM, user("y")], user="u"), 6)
     inf.done("other", lead.session, lead.branch, 7)
-    branches = inf.sessions[("other", lead.session)].branches
+    branches = inf.sessions.get(("other", lead.session)).branches
     assert len(branches) <= 2
     before = inf.fingerprint_count
-    assert before == sum(len(b.fingerprints) for s in inf.sessions.values() for b in s.branches.values())
+    assert before == sum(len(b.fingerprints) for _, s in inf.sessions.items() for b in s.branches.values())
 
 
 def test_namespaces_never_share_inferred_state():
     inf = ChatInference()
     msgs = [SYSTEM, user("same chat")]
-    a, _ = inf.assign("tenant-a", turn(msgs), 0)
-    b, _ = inf.assign("tenant-b", turn(msgs), 0)
+    a, _ = assign(inf, "tenant-a", turn(msgs), 0)
+    b, _ = assign(inf, "tenant-b", turn(msgs), 0)
     assert a.session == b.session and a.parent is None and b.parent is None  # same id, separate namespaces
     assert ("tenant-a", a.session) in inf.sessions and ("tenant-b", b.session) in inf.sessions
     inf.forget_namespace("tenant-a")
@@ -136,7 +144,7 @@ def test_odd_inputs_are_handled(monkeypatch):
     for messages in ([], [{"role": "tool", "content": "orphan result", "tool_call_id": "nope"}],
                      [{"role": "assistant"}], [user([{"type": "text", "text": "parts"}, {"type": "image_url"}])],
                      [call("x", args="not json")]):
-        got, _ = inf.assign(NS, turn(messages), 0)
+        got, _ = assign(inf, NS, turn(messages), 0)
         assert got.branch and got.session
         inf.done(NS, got.session, got.branch, 1)
     inf.done(NS, "unknown", "m0", 2)  # nothing to do, no error
@@ -151,8 +159,8 @@ def test_odd_inputs_are_handled(monkeypatch):
 def test_a_parent_closes_only_after_the_branches_forked_from_it():
     inf = ChatInference(idle_s=10)
     history = [SYSTEM, user("plan"), call("spawn"), result("tasks")]
-    lead, _ = inf.assign(NS, turn(history), 0)
-    fork, _ = inf.assign(NS, turn(history + [user("sub")]), 0)  # the lead is still running: a fork
+    lead, _ = assign(inf, NS, turn(history), 0)
+    fork, _ = assign(inf, NS, turn(history + [user("sub")]), 0)  # the lead is still running: a fork
     assert fork.parent == lead.branch
     inf.done(NS, lead.session, lead.branch, 1)
     assert inf.idle(now=20) == []  # the fork is in flight: its parent stays
@@ -176,3 +184,60 @@ def test_a_bad_setting_stops_the_scheduler_at_start_and_the_chat_pins_hold(monke
     monkeypatch.setenv("AGENTCACHE_INFER", "chats")
     with pytest.raises(ValueError, match="AGENTCACHE_INFER"):
         _check_chat_inference_settings()
+
+
+def test_one_namespaces_flood_forgets_only_its_own_conversations():
+    """Issue #38 item 4: one LRU for all tenants let tenant A's flood of chats forget tenant B's
+    conversation (its next turn lost its history). Each namespace is bounded on its own now, in
+    sessions and in fingerprints, and the total bound takes from the namespace over its share."""
+    inf = ChatInference(max_sessions=8, max_fingerprints=400)  # per namespace: 2 sessions, 100 fingerprints
+    b, _ = assign(inf, "tenant-b", turn([SYSTEM, user("b's task")]), 0)
+    inf.done("tenant-b", b.session, b.branch, 1)
+    forgotten = []
+    for i in range(50):  # many chats, some very long
+        a, gone = assign(inf, "tenant-a", turn([SYSTEM] + [user(f"a{i}.{j}") for j in range(1 + 40 * (i % 3))]), 2 + i)
+        inf.done("tenant-a", a.session, a.branch, 2 + i)
+        forgotten += gone
+    assert forgotten and all(ns == "tenant-a" for ns, _, _ in forgotten)
+    assert inf.sessions.namespace_size("tenant-a") <= 2 and inf.fingerprints_by_namespace["tenant-a"] <= 100
+    assert ("tenant-b", b.session) in inf.sessions
+    again, _ = assign(inf, "tenant-b", turn([SYSTEM, user("b's task"), call("grep"), result("x")]), 99)
+    assert again.branch == b.branch and again.continued  # B's conversation goes on where it was
+    assert inf.fingerprint_count == sum(inf.fingerprints_by_namespace.values())
+
+
+def test_a_refused_request_leaves_nothing_behind():
+    """Issue #38 item 4: a chat refused at the front door (longer than the context) had already been
+    recorded. assign records it for the requests that arrive meanwhile; a refusal rolls it back."""
+    inf = ChatInference()
+    kept, _ = assign(inf, NS, turn([SYSTEM, user("go")]), 0)
+    inf.done(NS, kept.session, kept.branch, 1)
+    before = (len(inf.sessions), inf.fingerprint_count, dict(inf.counters))
+    huge = [SYSTEM] + [user("") for _ in range(5000)]
+    refused, assignment = inf.assign(NS, turn(huge), 2)  # a new conversation: a new session
+    assert inf.fingerprint_count > before[1]
+    inf.rollback(assignment, 3)
+    assert (len(inf.sessions), inf.fingerprint_count) == before[:2]
+    assert inf.counters["refused"] == 1 and inf.counters["requests"] == before[2]["requests"]
+    # A refused continuation of a live branch: its branch is as it was, and it continues as before.
+    refused, assignment = inf.assign(NS, turn([SYSTEM, user("go"), call("grep"), result("x" * 10)]), 4)
+    assert refused.branch == kept.branch
+    inf.rollback(assignment, 5)
+    branch = inf.sessions.get((NS, kept.session)).branches[kept.branch]
+    assert branch.fingerprints == turn([SYSTEM, user("go")]).fingerprints
+    again, _ = assign(inf, NS, turn([SYSTEM, user("go"), call("read"), result("y")]), 6)
+    assert again.branch == kept.branch and again.continued
+
+
+def test_branch_names_are_unique_and_say_nothing_of_other_tenants():
+    """Issue #38 item 7: names came from one server-wide counter (``m<n>``), so a tenant's own branch
+    names told it how many chats every tenant had started. They are a keyed hash of it now."""
+    inf = ChatInference()
+    names = set()
+    for i in range(200):
+        got, _ = assign(inf, f"tenant-{i % 3}", turn([SYSTEM, user(f"task {i}")]), i)
+        names.add(got.branch)
+        assert got.branch[0] == "m" and not got.branch[1:].isdigit()
+    assert len(names) == 200
+    first = [assign(ChatInference(name_key=b"k"), NS, turn([SYSTEM, user("x")]), 0)[0].branch for _ in range(2)]
+    assert first[0] == first[1]  # the same key names alike: a replay is deterministic

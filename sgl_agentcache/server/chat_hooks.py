@@ -25,18 +25,20 @@ server made it, and the namespace alone keeps tenants apart. Pinned SGLang inter
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
 import threading
 import time
 import uuid
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass
 
-from sgl_agentcache.chat_infer import ChatInference, ChatTurn, Inferred, idle_seconds, infer_mode, tool_names
+from sgl_agentcache.chat_infer import Assignment, ChatInference, ChatTurn, Inferred, idle_seconds, infer_mode
 from sgl_agentcache.hints import ID_REGEX, lifecycle_envelope
 from sgl_agentcache.lifecycle import namespace_key
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.server.pins import Pin, check_pinned_internals
 
 logger = logging.getLogger(__name__)
@@ -54,21 +56,31 @@ CHAT_PINS = (
     Pin(f"{_PIN_AT}._process_messages", ("self", "request", "is_multimodal", "output_constrained"),
         "the stable prefix and fork point are where the template's own rendering stops matching"),
 )
-_MAX_PENDING = 4096  # requests between their conversion and their handler (normally microseconds apart)
 _ID = re.compile(ID_REGEX)
 
 
 @dataclass
 class _Pending:
+    """A request's inference, carried on the request object itself (``adapted.agentcache_inferred``)
+    from its conversion to its handler: no table any client's traffic could fill or evict."""
+
     namespace: str
     inferred: Inferred
     identity: object
+    assignment: Assignment
+    message_id: str  # of the envelope this module made (what the front door's claim checks)
+    claimed: bool = False  # the front door accepted its `inferred` flag (once)
+    committed: bool = False  # SGLang accepted the request (see _after_validate_one_request)
+    finished: bool = False  # its handler ended it (once)
 
 
 state: ChatInference | None = None  # set by install() when inference is on
-_pending: OrderedDict[int, _Pending] = OrderedDict()  # id(adapted request) -> its inference
-_issued: OrderedDict[str, None] = OrderedDict()  # message ids of inferred envelopes not yet at the front door
-_stable_cache: OrderedDict[bytes, int] = OrderedDict()  # system messages + tools -> stable prefix length
+#: message id -> the inference of a request still alive (its request object holds the only strong
+#: reference): how a parallel-sampling request's per-sample copies (``obj[i]``, which SGLang builds
+#: without our attribute) find it at validation.
+_live: weakref.WeakValueDictionary[str, _Pending] = weakref.WeakValueDictionary()
+#: (namespace, what the rendering depends on) -> stable prefix length; bounded per namespace.
+_stable_cache: NamespacedLRU[tuple[str, bytes], int] = NamespacedLRU(1024, 64)
 _sweeper: asyncio.Task | None = None
 _render_warned = False
 _to_close: list[tuple[str, str, str]] = []  # branches the bounds made inference forget, to close
@@ -83,13 +95,14 @@ def enabled() -> bool:
 def claim_inferred(obj) -> bool:
     """True once for a request (``obj``: a GenerateReqInput) whose envelope this module made; the
     front door then accepts its ``inferred`` flag and needs no session credential for it. A client
-    cannot forge it: the envelope's message id is a fresh random one, known only here."""
+    cannot forge it: the mark is an attribute this module set on the request object (a request body
+    cannot set one), for the envelope it made."""
+    pending = getattr(obj, "agentcache_inferred", None)
     envelope = getattr(obj, "kv_hints", None)
-    message_id = envelope.get("message_id") if isinstance(envelope, dict) else None
-    if not isinstance(message_id, str):
+    if not isinstance(pending, _Pending) or pending.claimed or not isinstance(envelope, dict):
         return False
-    with _lock:
-        return _issued.pop(message_id, False) is None
+    pending.claimed = envelope.get("message_id") == pending.message_id
+    return pending.claimed
 
 
 def _identifier(raw_request, name: str) -> str | None:
@@ -131,18 +144,27 @@ def _rendered_common(serving, request, count: int, prompt_ids: list) -> int:
     return i
 
 
-def _stable_prefix(serving, request, turn: ChatTurn, prompt_ids: list) -> int:
+def _rendering_key(request, turn: ChatTurn) -> bytes:
+    """What the rendering of the request's system messages depends on: those messages, and every other
+    field of the request (``tools``, ``tool_choice`` -- ``"none"`` renders no tools --, template
+    options...). Fields that do not change the rendering only cost a cache miss."""
+    rest = request.model_dump(exclude={"messages"}, mode="json") if hasattr(request, "model_dump") else {}
+    head = turn.fingerprints[turn.leading_system - 1] if turn.leading_system else b"\0"
+    return hashlib.blake2b(head + json.dumps(rest, sort_keys=True, default=str).encode(), digest_size=16).digest()
+
+
+def _stable_prefix(serving, request, turn: ChatTurn, prompt_ids: list, namespace: str) -> int:
+    """The stable prefix's length: where the prompt stops matching the rendering of its system
+    messages alone (cached per namespace: a tenant never reads what another tenant's request rendered)."""
     if turn.leading_system == 0 and not request.tools:
         return 0
-    tools = json.dumps([t.model_dump() for t in request.tools or ()], sort_keys=True, default=str).encode()
-    key = turn.fingerprints[turn.leading_system - 1] + tools if turn.leading_system else b"\0" + tools
-    found = _stable_cache.get(key)
+    key = (namespace, _rendering_key(request, turn))
+    with _lock:
+        found = _stable_cache.get(key)
     if found is None:
         found = _rendered_common(serving, request, turn.leading_system, prompt_ids)
-        _stable_cache[key] = found
-        if len(_stable_cache) > 256:
-            _stable_cache.popitem(last=False)
-    _stable_cache.move_to_end(key)
+    with _lock:
+        _stable_cache.put(key, found)
     return min(found, len(prompt_ids))
 
 
@@ -166,11 +188,11 @@ def infer(adapted, serving, request, raw_request) -> None:
                                       safety_identifier=_identifier(raw_request, "safety_identifier"),
                                       user=request.user)
         with _lock:
-            inferred, forgotten = state.assign(namespace, turn, time.monotonic())
+            inferred, assignment = state.assign(namespace, turn, time.monotonic())
         prompt_ids = adapted.input_ids if isinstance(adapted.input_ids, list) else None
         fields = {"session": inferred.session, "branch": inferred.branch, "inferred": True}
         if prompt_ids:
-            stable = _stable_prefix(serving, request, turn, prompt_ids)
+            stable = _stable_prefix(serving, request, turn, prompt_ids, namespace)
             fields["stable_prefix_tokens"] = stable
             if inferred.parent is not None:
                 fork = _rendered_common(serving, request, inferred.shared_messages, prompt_ids)
@@ -179,20 +201,30 @@ def infer(adapted, serving, request, raw_request) -> None:
             fields["parent_branch"] = inferred.parent
         message_id = uuid.uuid4().hex
         adapted.kv_hints = lifecycle_envelope(fields, message_id=message_id)
-        with _lock:
-            _issued[message_id] = None
-            _pending[id(adapted)] = _Pending(namespace, inferred, identity)
-            for table in (_pending, _issued):
-                while len(table) > _MAX_PENDING:
-                    table.popitem(last=False)
-        _to_close.extend(forgotten)  # closed from the event loop (this may run in a worker thread)
+        adapted.agentcache_inferred = _live[message_id] = _Pending(namespace, inferred, identity, assignment,
+                                                                   message_id)
     except Exception:  # noqa: BLE001 - inference is advice: the request runs untagged
         logger.warning("agentcache: chat inference failed; the request runs untagged", exc_info=True)
         adapted.kv_hints = None
+        adapted.agentcache_inferred = None
+        if inferred is not None:  # assigned, then failed: inference keeps nothing of it
+            with _lock:
+                state.rollback(assignment, time.monotonic())
+
+
+def _after_validate_one_request(result, tokenizer_manager, obj, *args, **kwargs):
+    """SGLang accepted the request (its last check before the scheduler: the prompt fits the context):
+    its inferred branch counts now. A request refused before this point (too long, a bad field, a
+    refused credential) is taken back when it ends, and inference keeps nothing of it."""
+    pending = getattr(obj, "agentcache_inferred", None)
+    if pending is None and isinstance(getattr(obj, "kv_hints", None), dict):  # a sample of an n > 1 request
+        message_id = obj.kv_hints.get("message_id")
+        pending = _live.get(message_id) if isinstance(message_id, str) else None
+    if isinstance(pending, _Pending) and not pending.committed:
         with _lock:
-            _pending.pop(id(adapted), None)
-            if inferred is not None:  # assigned, then failed: the branch is not in flight after all
-                state.done(namespace, inferred.session, inferred.branch, time.monotonic())
+            pending.committed = True
+            _to_close.extend(state.commit(pending.assignment))  # closed from the event loop by the sweeper
+    return result
 
 
 def _slowest(namespace: str, names: list[str]) -> str:
@@ -208,7 +240,14 @@ async def _finish(pending: _Pending, called: list[str] | None) -> None:
     from sgl_agentcache.server import auth
     from sgl_agentcache.server.http import coordinator
 
+    if pending.finished:
+        return
+    pending.finished = True
     inferred = pending.inferred
+    if not pending.committed:  # refused before it ran: nothing of it is kept, nothing pauses
+        with _lock:
+            state.rollback(pending.assignment, time.monotonic())
+        return
     try:
         if called:  # in the background: the response (or its [DONE]) is not held back for it
             coordinator.pause_soon(pending.namespace, inferred.session, inferred.branch,
@@ -230,9 +269,13 @@ def _response_tool_calls(response) -> list[str] | None:
     return names or None
 
 
+def _pending_of(adapted) -> _Pending | None:
+    pending = getattr(adapted, "agentcache_inferred", None)
+    return pending if isinstance(pending, _Pending) else None
+
+
 async def _around_non_streaming(original, serving, adapted, request, raw_request=None, *args, **kwargs):
-    with _lock:
-        pending = _pending.pop(id(adapted), None)
+    pending = _pending_of(adapted)
     _start_sweeper()
     if pending is None:
         return await original(serving, adapted, request, raw_request, *args, **kwargs)
@@ -272,8 +315,7 @@ async def _watch_stream(gen, pending: _Pending):
 
 def _around_stream_hook(original, serving, adapted, request, raw_request=None, *args, **kwargs):
     gen = original(serving, adapted, request, raw_request, *args, **kwargs)
-    with _lock:
-        pending = _pending.pop(id(adapted), None)
+    pending = _pending_of(adapted)
     _start_sweeper()
     return gen if pending is None else _watch_stream(gen, pending)
 
@@ -316,9 +358,11 @@ def _start_sweeper() -> None:
 
 
 def forget_namespace(namespace: str) -> None:
-    """A tenant was purged: its inferred sessions go (their branches went with the purge)."""
-    if state is not None:
-        state.forget_namespace(namespace)
+    """A tenant was purged: its inferred sessions and cached renderings go (its branches went with the purge)."""
+    with _lock:
+        _stable_cache.pop_namespace(namespace)
+        if state is not None:
+            state.forget_namespace(namespace)
 
 
 def stats() -> dict:
@@ -337,6 +381,8 @@ def install() -> None:
     state = ChatInference(idle_s=idle_seconds())
     HookRegistry.register(f"{_CHAT}._handle_non_streaming_request", _around_non_streaming, HookType.AROUND)
     HookRegistry.register(f"{_CHAT}._generate_chat_stream", _around_stream_hook, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+                          _after_validate_one_request, HookType.AFTER)
     logger.info("agentcache: chat inference on (idle close after %.0f s)", state.idle_s)
 
 

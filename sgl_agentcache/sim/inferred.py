@@ -55,7 +55,7 @@ class ReplayInference:
 
     def __init__(self, block_tokens: int, idle_s: float = IDLE_S, max_retention_s: float = MAX_RETENTION_S):
         self.block_tokens = block_tokens
-        self.state = ChatInference(idle_s=idle_s)
+        self.state = ChatInference(idle_s=idle_s, name_key=b"replay")  # names: deterministic run to run
         self.max_retention_s = max_retention_s
 
     @property
@@ -66,7 +66,8 @@ class ReplayInference:
         """The call as the server would run it (inferred session, branch, parent and fork point;
         no close, no edit), and the branches the inference's bounds forgot (to close)."""
         namespace = namespace_key(request.tenant, None)
-        inferred, forgotten = self.state.assign(namespace, block_turn(request, self.block_tokens), now)
+        inferred, assignment = self.state.assign(namespace, block_turn(request, self.block_tokens), now)
+        forgotten = self.state.commit(assignment)  # a replayed call is never refused at the front door
         fork_point = None
         if inferred.parent is not None:
             shared = min(inferred.shared_messages * self.block_tokens, request.input_tokens)
