@@ -19,13 +19,16 @@ tensor-parallel rank.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Hashable, Sequence
+
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 
 #: Tokens fingerprinted before a context's end.
 WINDOW = 32
-#: Branches remembered (least recently finished forgotten first).
+#: Branches remembered, in all and per namespace (the least recently finished of the namespace over
+#: its share are forgotten first; branch keys start with their namespace).
 LIMIT = 65_536
+NAMESPACE_LIMIT = 16_384
 
 
 def _fingerprint(tail: Sequence[int]) -> int:
@@ -35,9 +38,8 @@ def _fingerprint(tail: Sequence[int]) -> int:
 class BranchContexts:
     """Each branch's last finished context end, for inferring fork points (see the module docstring)."""
 
-    def __init__(self, limit: int = LIMIT):
-        self.limit = limit
-        self._ends: OrderedDict[Hashable, tuple[tuple[int, int], ...]] = OrderedDict()
+    def __init__(self, limit: int = LIMIT, namespace_limit: int | None = NAMESPACE_LIMIT):
+        self._ends: NamespacedLRU[Hashable, tuple[tuple[int, int], ...]] = NamespacedLRU(limit, namespace_limit)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -48,10 +50,7 @@ class BranchContexts:
         if output:
             tail = (list(prompt[-WINDOW:]) + list(output))[-WINDOW:]
             marks.insert(0, (len(prompt) + len(output), _fingerprint(tail)))
-        self._ends[branch] = tuple(marks)
-        self._ends.move_to_end(branch)
-        while len(self._ends) > self.limit:
-            self._ends.popitem(last=False)
+        self._ends.put(branch, tuple(marks))
 
     def fork_point(self, parent: Hashable, prompt: Sequence[int]) -> int | None:
         """How much of ``prompt`` continues ``parent``'s last context (None: unknown or no match)."""
@@ -61,11 +60,11 @@ class BranchContexts:
         return None
 
     def forget(self, branch: Hashable) -> None:
-        self._ends.pop(branch, None)
+        self._ends.pop(branch)
 
     def forget_where(self, predicate: Callable[[Hashable], bool]) -> None:
         for branch in [b for b in self._ends if predicate(b)]:
-            del self._ends[branch]
+            self._ends.pop(branch)
 
 
 __all__ = ["BranchContexts", "LIMIT", "WINDOW"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import heapq
 import hmac
 import os
 import re
@@ -52,7 +53,8 @@ POLICY_VERSION = "1"
 SYSTEM_SALT = "agentcache:system"
 MIN_SECRET_BYTES = 32
 MIN_PLAIN_KEY_CHARS = 16
-#: Replay protection remembers at most this many closed sessions (the earliest-expiring go first).
+#: Replay protection remembers at most this many closed sessions *per tenant* (that tenant's
+#: earliest-expiring go first: one tenant's closes never make another's closed credential usable again).
 MAX_TOMBSTONES = 100_000
 
 _TenantName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
@@ -227,7 +229,10 @@ class Tenancy:
         for key in config.admin_keys:
             self._keys[_stored_digest(key, "admin")] = Identity(None, admin=True)
         self._ceilings = {name: spec.ceilings.over(config.defaults) for name, spec in config.tenants.items()}
-        self._tombstones: dict[tuple[str, str], int] = {}  # (tenant, session) -> expiry
+        # tenant -> {closed session: its credential's expiry}, and the same as a heap by expiry (O(log n)
+        # per close, however full the table: a full table used to be rescanned at every close).
+        self._tombstones: dict[str, dict[str, int]] = {}
+        self._expiries: dict[str, list[tuple[int, str]]] = {}
 
     @classmethod
     def from_env(cls, model_path: str, tokenizer_path: str | None = None, revision: str | None = None,
@@ -305,19 +310,22 @@ class Tenancy:
             raise CredentialError(403, "forged_session", "session credential is not valid for this tenant")
         if now >= expiry:
             raise CredentialError(401, "expired_session", "session credential expired; open a new session")
-        if (tenant, session) in self._tombstones:
+        if session in self._tombstones.get(tenant, ()):
             raise CredentialError(403, "closed_session", "session was closed; its credential cannot be reused")
 
     def tombstone(self, tenant: str, session: str, now: float) -> None:
         """Remember a closed session until its credential expires (replay protection, bounded)."""
         match = _SESSION.match(session)
-        if match is None:
+        marks = self._tombstones.setdefault(tenant, {})
+        if match is None or session in marks:
             return
-        if len(self._tombstones) >= MAX_TOMBSTONES:
-            self._tombstones = {k: e for k, e in self._tombstones.items() if e > now}
-            while len(self._tombstones) >= MAX_TOMBSTONES:
-                del self._tombstones[min(self._tombstones, key=self._tombstones.__getitem__)]
-        self._tombstones[(tenant, session)] = int(match.group(2))
+        heap = self._expiries.setdefault(tenant, [])
+        while heap and (heap[0][0] <= now or len(marks) >= MAX_TOMBSTONES):  # expired ones, then the earliest
+            _, gone = heapq.heappop(heap)
+            del marks[gone]
+        expiry = int(match.group(2))
+        marks[session] = expiry
+        heapq.heappush(heap, (expiry, session))
 
     # ---- ceilings ----
 

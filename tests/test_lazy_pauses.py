@@ -154,7 +154,7 @@ def test_an_over_quota_branch_spills_only_into_free_host_room():
         h.turn(ids(14, 600), "big")  # early is evicted for it: spilled, 500 of the host's tokens
         big = BranchKey(NS, "big", "main")
         assert h.cache.spill.owner_tokens.get(early, 0) >= 500
-        h.cache.quotas[big] = 16  # now over its quota: it goes first
+        h.cache.quotas.put(big, 16)  # now over its quota: it goes first
         h.turn(ids(410, 500), "other0")
         spill = h.cache.spill
         assert h.resident("big") < 600 and spill.owner_tokens.get(early, 0) >= 500
@@ -256,7 +256,7 @@ def test_an_over_quota_leaf_is_still_spilled_when_other_branches_copies_hang_fro
     h.driver.finish(req)
     worker, lead_key = BranchKey(NS, "L", "w"), BranchKey(NS, "L", "main")
     assert h.pause("L", LONG, branch="w", tool_class="ci_run")["action"] == "offload"
-    h.cache.quotas[lead_key] = 16  # the lead is over its quota: its leaves go first and are not kept
+    h.cache.quotas.put(lead_key, 16)  # the lead is over its quota: its leaves go first and are not kept
     for k in range(3):
         h.turn(ids(400 + k, 500), f"other{k}")
     spill = h.cache.spill
@@ -274,7 +274,7 @@ def test_an_over_quota_branch_advised_offload_is_spilled_low_value_and_then_not_
     h.turn(ids(16, 600), "big")
     big = BranchKey(NS, "big", "main")
     assert h.pause("big", LONG, tool_class="ci_run")["action"] == "offload"
-    h.cache.quotas[big] = 16
+    h.cache.quotas.put(big, 16)
     for k in range(2):
         h.turn(ids(420 + k, 500), f"other{k}")
     spill = h.cache.spill

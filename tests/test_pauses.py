@@ -698,7 +698,7 @@ def test_an_anchor_spill_over_the_branch_quota_is_refused():
     h = Harness(pool_tokens=2048)
     _, _, moved = _offloaded_subagent(h, "q", 82, 400, 150)
     worker = BranchKey(NS, "q", "w")
-    h.cache.quotas[worker] = moved + 10  # no room in the quota for the lead's history
+    h.cache.quotas.put(worker, moved + 10)  # no room in the quota for the lead's history
     _evict_everything(h)
     pauses = h.cache.pauses
     assert pauses.host.tokens_of(worker) == moved and pauses.counters["anchor_spill_refused"]["quota"] >= 1

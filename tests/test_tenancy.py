@@ -170,9 +170,26 @@ def test_tombstones_are_bounded(tenancy, monkeypatch):
     sessions = [tenancy.issue_session("acme", NOW, ttl_s=100 + i)[0] for i in range(6)]
     for s in sessions:
         tenancy.tombstone("acme", s, NOW)
-    assert len(tenancy._tombstones) <= 4
+    assert len(tenancy._tombstones["acme"]) <= 4
     with pytest.raises(CredentialError, match="closed"):
         tenancy.verify_session("acme", sessions[-1], NOW)  # the newest are remembered
+
+
+def test_one_tenants_closes_never_reopen_another_tenants_closed_session(tenancy, monkeypatch):
+    """Issue #38 item 6: the replay-protection table was one for all tenants. After acme's open+close
+    pairs filled it, globex's closed credential generated again, and each close rescanned the table.
+    Each tenant has its own bound now (its own earliest-expiring go), and a close is O(log n)."""
+    monkeypatch.setattr(tn, "MAX_TOMBSTONES", 50)
+    theirs = tenancy.issue_session("globex", NOW, ttl_s=60)[0]  # expires first of all
+    tenancy.tombstone("globex", theirs, NOW)
+    for i in range(500):
+        tenancy.tombstone("acme", tenancy.issue_session("acme", NOW, ttl_s=600 + i)[0], NOW)
+    with pytest.raises(CredentialError, match="closed"):
+        tenancy.verify_session("globex", theirs, NOW)
+    assert len(tenancy._tombstones["acme"]) == 50 and len(tenancy._expiries["acme"]) == 50
+    # Expired marks go first (a credential past its expiry is refused as expired anyway).
+    tenancy.tombstone("globex", tenancy.issue_session("globex", NOW + 100, ttl_s=60)[0], NOW + 100)
+    assert theirs not in tenancy._tombstones["globex"]
 
 
 def test_ceilings_clip_and_merge_with_defaults(tenancy):

@@ -18,7 +18,7 @@ branch is due is learned at its next call.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 
 __all__ = ["DEFAULT_AFTER_S", "IDLE_CLASS", "MIN_GAPS", "PRICE_QUANTILE", "IdleBranches"]
 
@@ -31,8 +31,10 @@ MIN_GAPS = 8
 PRICE_QUANTILE = 0.9
 #: ...or, before that, than this many seconds.
 DEFAULT_AFTER_S = 60.0
-#: Idle branches tracked at once (the least recently answered are forgotten past it).
+#: Idle branches tracked at once, in all and per namespace (the least recently answered of the
+#: namespace over its share are forgotten past it: another namespace's never are).
 LIMIT = 65_536
+NAMESPACE_LIMIT = 16_384
 
 Key = tuple  # (namespace, session, branch)
 
@@ -40,27 +42,25 @@ Key = tuple  # (namespace, session, branch)
 class IdleBranches:
     """Branches answered and waiting for their next call, and the gaps learned from them."""
 
-    def __init__(self, book, limit: int = LIMIT):
+    def __init__(self, book, limit: int = LIMIT, namespace_limit: int = NAMESPACE_LIMIT):
         self.book = book
-        self.limit = limit
-        self.since: OrderedDict[Key, float] = OrderedDict()  # idle branch -> when its call was answered
+        # idle branch -> when its call was answered, least recently answered first in each namespace
+        self.since: NamespacedLRU[Key, float] = NamespacedLRU(limit, namespace_limit)
         self.priced: set[Key] = set()  # due ones already handed out (paused on IDLE_CLASS)
 
     def answered(self, namespace: str, session: str, branch: str, now: float) -> None:
         """A call of the branch was answered and it did not pause on a tool or close: idle from now."""
         key = (namespace, session, branch)
-        self.since.pop(key, None)
+        self.since.pop(key)
         self.priced.discard(key)
-        self.since[key] = now
-        while len(self.since) > self.limit:
-            old, _ = self.since.popitem(last=False)
+        for old, _ in self.since.put(key, now):
             self.priced.discard(old)
 
     def arrived(self, namespace: str, session: str, branch: str, now: float) -> float | None:
         """The branch's next call arrived: returns the gap, learned here unless the branch was due and
         paused (then the pause's resume learns it), or None when it was not idle."""
         key = (namespace, session, branch)
-        started = self.since.pop(key, None)
+        started = self.since.pop(key)
         if started is None:
             return None
         gap = max(now - started, 0.0)
@@ -82,7 +82,7 @@ class IdleBranches:
         """Branches idle past :meth:`after_s` and not handed out yet, as ``(key, answered at, idle s)``;
         each is handed out once per idle spell."""
         out = []
-        for key, started in self.since.items():
+        for key, started in self.since.items():  # a snapshot
             if key not in self.priced and now - started >= self.after_s(key[0]):
                 self.priced.add(key)
                 out.append((key, started, now - started))
@@ -94,12 +94,14 @@ class IdleBranches:
 
     def ended(self, namespace: str, session: str, branch: str | None = None) -> None:
         """A branch (or, with ``branch`` None, every branch of a session) closed."""
-        self._forget(lambda k: k[0] == namespace and k[1] == session and (branch is None or k[2] == branch))
+        if branch is not None:
+            keys = [(namespace, session, branch)]
+        else:
+            keys = [k for k, _ in self.since.namespace_items(namespace) if k[1] == session]
+        for key in keys:
+            self.since.pop(key)
+            self.priced.discard(key)
 
     def namespace_ended(self, namespace: str) -> None:
-        self._forget(lambda k: k[0] == namespace)
-
-    def _forget(self, matches) -> None:
-        for key in [k for k in self.since if matches(k)]:
-            del self.since[key]
+        for key, _ in self.since.pop_namespace(namespace):
             self.priced.discard(key)

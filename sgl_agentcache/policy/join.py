@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.distributions import remaining_wait, resume_within
 
 __all__ = ["GRID_POINTS", "LIFETIME_CLASS", "MAX_CHILDREN", "MIN_LIFETIMES", "JoinWait", "Subagents"]
@@ -123,8 +124,10 @@ LIFETIME_CLASS = "@subagent"
 #: Lifetimes a namespace must have observed before a join is priced from them (until then the lead's
 #: pause is priced with its own tool class's model, as any pause).
 MIN_LIFETIMES = 8
-#: Leads tracked at once (the oldest is forgotten past it: its join is priced as a plain pause).
+#: Leads tracked at once, in all and per namespace (the least recently started of the namespace over its
+#: share is forgotten past it: its join is priced as a plain pause; another namespace's never is).
 LEADS_LIMIT = 4096
+LEADS_PER_NAMESPACE = 1024
 
 Key = tuple  # (namespace, session, branch)
 
@@ -137,11 +140,11 @@ class Subagents:
     (:meth:`ended`), which records its lifetime in ``book`` under :data:`LIFETIME_CLASS` for its
     namespace. :meth:`join` is what a pause of the lead waits on."""
 
-    def __init__(self, book, limit: int = LEADS_LIMIT):
+    def __init__(self, book, limit: int = LEADS_LIMIT, namespace_limit: int = LEADS_PER_NAMESPACE):
         self.book = book
-        self.limit = limit
-        self.running: dict[Key, dict[str, float]] = {}  # lead -> {subagent branch: started}
-        self.lead_of: dict[Key, Key] = {}  # subagent -> its lead
+        # lead -> {subagent branch: started}, least recently given a subagent first in each namespace
+        self.running: NamespacedLRU[Key, dict[str, float]] = NamespacedLRU(limit, namespace_limit)
+        self.lead_of: dict[Key, Key] = {}  # subagent -> its lead (only subagents of tracked leads)
 
     def started(self, namespace: str, session: str, branch: str, lead_branch: str, now: float) -> bool:
         """A call of subagent ``branch`` of ``lead_branch`` arrived; True when it is its first (it started
@@ -151,9 +154,11 @@ class Subagents:
             return False
         forks = self.running.get(lead)
         if forks is None:
-            if len(self.running) >= self.limit:
-                self._drop(next(iter(self.running)))
-            forks = self.running[lead] = {}
+            forks = {}
+            for old, old_forks in self.running.put(lead, forks):
+                self._unlink(old, old_forks)
+        else:
+            self.running.touch(lead)
         if len(forks) >= MAX_CHILDREN:
             return False
         forks[branch] = now
@@ -167,21 +172,22 @@ class Subagents:
         lead = self.lead_of.pop(me, None)
         if lead is None:
             return None
-        started = self.running[lead].pop(branch)
-        if not self.running[lead]:
-            del self.running[lead]
+        forks = self.running.get(lead)
+        started = forks.pop(branch)
+        if not forks:
+            self.running.pop(lead)
         self.book.observe(namespace, LIFETIME_CLASS, max(now - started, 0.0))
         return lead
 
     def session_ended(self, namespace: str, session: str) -> None:
         """Every branch of the session ended at once: nothing is learned (they were cut short)."""
-        for lead in [k for k in self.running if k[0] == namespace and k[1] == session]:
+        for lead in [k for k, _ in self.running.namespace_items(namespace) if k[1] == session]:
             self._drop(lead)
 
     def namespace_ended(self, namespace: str) -> None:
         """A namespace was purged: nothing of it is tracked any more."""
-        for lead in [k for k in self.running if k[0] == namespace]:
-            self._drop(lead)
+        for lead, forks in self.running.pop_namespace(namespace):
+            self._unlink(lead, forks)
 
     def lead_ended(self, namespace: str, session: str, branch: str) -> None:
         """A lead closed: its subagents keep running, but nothing waits on them any more."""
@@ -199,5 +205,8 @@ class Subagents:
         return JoinWait(lifetime, [max(now - started, 0.0) for started in forks.values()])
 
     def _drop(self, lead: Key) -> None:
-        for branch in self.running.pop(lead, {}):
+        self._unlink(lead, self.running.pop(lead, {}))
+
+    def _unlink(self, lead: Key, forks: dict[str, float]) -> None:
+        for branch in forks:
             self.lead_of.pop((lead[0], lead[1], branch), None)

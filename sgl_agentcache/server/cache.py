@@ -31,7 +31,6 @@ import dataclasses
 import heapq
 import logging
 import os
-from collections import OrderedDict
 from contextlib import contextmanager
 
 import msgspec
@@ -45,6 +44,7 @@ from sgl_agentcache.fork_points import BranchContexts
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, NodeClass, RecentBranches,
                                       namespace_key, namespace_salt)
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.retention import RetentionModel, device_rank
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.agreement import default_agreement
@@ -114,7 +114,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.ranking = False
         self.ranking_deferred = 0  # ranking matches that left a request's pending restores alone
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
-        self.quotas: OrderedDict[BranchKey, int] = OrderedDict()
+        self.quotas: NamespacedLRU[BranchKey, int] = NamespacedLRU(self.closed.limit, self.closed.namespace_limit)
         self.freed_on_close_tokens = 0
         self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
         self.invalid_hints = 0
@@ -236,10 +236,7 @@ class AgentRadixCache(UnifiedRadixCache):
             req.agentcache_hint = hint
         req.agentcache_plan, req.agentcache_closed_version = plan, closed.version
         if plan.own.owner is not None:
-            self.quotas[plan.own.owner] = self.quota_for(plan)
-            self.quotas.move_to_end(plan.own.owner)
-            if len(self.quotas) > self.closed.limit:
-                self.quotas.popitem(last=False)
+            self.quotas.put(plan.own.owner, self.quota_for(plan))
         return plan
 
     def _with_fork_point(self, hint: LifecycleHint, req) -> LifecycleHint:
@@ -268,7 +265,7 @@ class AgentRadixCache(UnifiedRadixCache):
                 req.agentcache_hint = msgspec.structs.replace(req.agentcache_hint, parent_branch=None,
                                                               fork_point_tokens=None)
                 plan = req.agentcache_plan = insert_plan(req.agentcache_hint, namespace_of(req), self.closed)
-                self.quotas[plan.own.owner] = self.quota_for(plan)
+                self.quotas.put(plan.own.owner, self.quota_for(plan))
         # Host copies come back when the scheduler matches the request for a batch (match_prefix), not
         # now: a request can wait in the queue for many steps, and KV restored at arrival sits unlocked
         # meanwhile, in the pool the running batch is evicting from.
@@ -594,7 +591,7 @@ class AgentRadixCache(UnifiedRadixCache):
         if not known and not already:
             return {"closed": False, "reason": "unknown branch"}
         self.closed.add(branch)
-        self.quotas.pop(branch, None)
+        self.quotas.pop(branch)
         self.contexts.forget(branch)
         host_freed = self.pauses.forget(branch) + self.spill.drop_owner(branch)
         core = self.tree_core

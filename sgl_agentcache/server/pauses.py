@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_agentcache.lifecycle import BranchKey
+from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.distributions import LatencyDistribution
 from sgl_agentcache.policy.pause import Incumbent, PauseAction, PauseDecision, PauseInputs, Placement, PolicyConfig, decide
 from sgl_agentcache.policy.retention import displaced_host_seconds, prefetch_worthwhile
@@ -71,6 +72,8 @@ MEASURED_BANDWIDTH_ENV = "AGENTCACHE_USE_MEASURED_BANDWIDTH"
 #: out and frees it, discard frees it, keep pins it).
 PAUSE_MODE_ENV = "AGENTCACHE_PAUSE_MODE"
 MIN_MEASURED_TRANSFERS = 4
+#: Namespaces whose prefetch precision is remembered (see PauseBook._prefetch_enabled).
+PREFETCH_NAMESPACES = 4096
 
 
 @dataclass
@@ -171,8 +174,10 @@ class PauseBook:
                          "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0, "refused_room": 0, "refused_no_gain": 0,
                          "refused_queue": 0,
                          "saved_transfer_s": 0.0}
-        self._outcomes: dict[str, deque] = {}  # namespace -> recent prefetch outcomes (True = used)
-        self._refused_since_probe: dict[str, int] = {}
+        # namespace -> [recent prefetch outcomes (True = used), refusals since the last probe]: each
+        # namespace's precision gates its own prefetch; the least recently used namespace is forgotten
+        # past PREFETCH_NAMESPACES (its prefetch is on again).
+        self._outcomes: NamespacedLRU[str, list] = NamespacedLRU(PREFETCH_NAMESPACES, 1, namespace_of=lambda ns: ns)
         self.log: deque = deque(maxlen=256)  # recent decisions with their inputs, for /agentcache/stats
         self.copies = HostCopies(cache, host, self.counters)  # the moves between device and host
 
@@ -640,13 +645,14 @@ class PauseBook:
         return self.cache.tree_core.resident_owned_tokens(branch) >= record.prefetched_tokens
 
     def _prefetch_enabled(self, ns: str) -> bool:
-        outcomes = self._outcomes.get(ns)
-        if outcomes is None or len(outcomes) < self.settings.prefetch_window // 4:
+        state = self._outcomes.get(ns)
+        outcomes = state[0] if state is not None else ()
+        if len(outcomes) < self.settings.prefetch_window // 4:
             return True
         if sum(outcomes) / len(outcomes) >= self.settings.prefetch_min_precision:
             return True
-        n = self._refused_since_probe.get(ns, 0) + 1
-        self._refused_since_probe[ns] = n % self.settings.prefetch_probe_every
+        n = state[1] + 1
+        state[1] = n % self.settings.prefetch_probe_every
         return n % self.settings.prefetch_probe_every == 0  # a probe, so prefetch can turn back on
 
     def _prefetch_outcome(self, branch: BranchKey, record: PauseRecord, used: bool | None = None) -> None:
@@ -657,8 +663,9 @@ class PauseBook:
         self.prefetch[f"tokens_{kind}"] += record.prefetched_tokens
         if used:
             self.prefetch["saved_transfer_s"] += record.prefetch_seconds
-        window = self._outcomes.setdefault(branch.namespace, deque(maxlen=self.settings.prefetch_window))
-        window.append(used)
+        state = self._outcomes.get(branch.namespace) or [deque(maxlen=self.settings.prefetch_window), 0]
+        self._outcomes.put(branch.namespace, state)
+        state[0].append(used)
         record.prefetched_tokens = record.prefetch_end = 0
 
     def expire(self, branch: BranchKey) -> dict:
