@@ -43,10 +43,11 @@ bench-quick: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --quick --out $(QUICK_OUT)/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py --quick --out $(QUICK_OUT)
 
-## soak: 8 minutes of concurrent agents (forks, pauses, closes, aborts, injected faults) on a fresh CPU
-##       server, then leak and integrity checks; writes bench/results/soak.json.
+## soak: three phases of 160 s, each on a fresh CPU server: concurrent agents (forks, pauses, prefetches,
+##       closes, aborts, injected faults) with lazy pauses, then eager pauses, then two tenants, one of them
+##       flooding; leak and integrity checks after each; writes bench/results/soak.json.
 soak: setup
-	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache soak --seconds 480 --workers 6 --out bench/results/soak.json
+	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache soak --seconds 160 --workers 6 --out bench/results/soak.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info $(DEMO_OUT) $(QUICK_OUT)

@@ -203,27 +203,45 @@ def _overhead(body: dict) -> list[str]:
     ]
 
 
-def _soak(body: dict) -> list[str]:
+_SOAK_PHASES = {"lazy": "lazy pauses (the defaults)", "eager": "eager pauses (copies on worker threads, prefetches)",
+                "flooder": "two tenants, the one flooding (pausing calls as fast as answered, refused over-long chats)",
+                "victim": "two tenants, the other one"}
+
+
+def _soak_run(body: dict) -> str:
     calls = {k: v for k, v in body["calls"].items() if k not in ("race_close_overtook", "abandoned_sessions")}
-    faults = {k: calls.get(k, 0) for k in ("aborted_stream", "fault", "race_close", "branch_close")}
+    faults = {k: calls.get(k, 0) for k in ("aborted_stream", "fault", "race_close")}
     host = body["host_tokens"]
-    return [
-        f"Soak (`make soak`; {body['workers']} concurrent agents for {body['seconds']:.0f} s on a fresh CPU server): "
-        f"{sum(calls.values())} calls ({calls.get('generate', 0)} generations, {calls.get('session_close', 0)} "
-        f"sessions, {calls.get('pause', 0)} pauses); faults injected: {faults['aborted_stream']} client "
-        f"disconnects mid-stream, {faults['fault']} failed transfers armed, {faults['race_close']} closes racing "
-        f"an in-flight request, {body['calls'].get('abandoned_sessions', 0)} tools that never return "
-        f"({body.get('deadline_releases', 0)} deadline releases), duplicate closes; fallbacks to recompute: "
-        f"{body['fallbacks']['offload']['host_full']} offloads to a full host tier, "
-        f"{body['fallbacks']['offload']['transfer_failed'] + sum(body['fallbacks']['restore'].values())} failed or "
-        f"impossible pause transfers, {sum(body.get('spill_failures', {}).values())} failed spill copies or "
-        f"load-backs. Unexplained "
-        f"failures {len(body['unexpected_failures'])}, leaked tokens {body['leaked_tokens']}, terminated tokens "
-        f"left {body['terminated_pending_tokens']}, host tier {host['before']} -> {host['after']} tokens, "
-        f"integrity check {'passed' if body['check_ok'] else 'FAILED'}, server "
-        f"{'healthy' if body['health'] == 200 else 'DOWN'}: {'pass' if body['passed'] else 'FAIL'}.",
-        "",
-    ]
+    waits = body.get("stats_wait_s")
+    timed = (f"; its `GET /agentcache/stats` meanwhile: p50 {waits['p50']:.3f} s, max {waits['max']:.3f} s "
+             f"({waits['n']} calls)") if waits else ""
+    flooding = body.get("flood_workers")
+    flood = f", {calls.get('flood_refused_chat', 0)} refused over-long chats" if flooding else ""
+    who = f"{body['workers']} agents" + (f" and {flooding} flooding threads" if flooding else "")
+    failed = body['fallbacks']['offload']['transfer_failed'] + sum(body['fallbacks']['restore'].values())
+    checked = "passed" if body["check_ok"] else "FAILED"
+    return (f"{who} "
+            f"for {body['seconds']:.0f} s: {sum(calls.values())} calls ({calls.get('generate', 0)} generations, "
+            f"{calls.get('session_close', 0)} sessions, {calls.get('pause', 0)} pauses, {calls.get('prefetch', 0)} "
+            f"prefetches{flood}); faults: {faults['aborted_stream']} client disconnects mid-stream, {faults['fault']} "
+            f"failed transfers armed, {faults['race_close']} closes racing an in-flight request, "
+            f"{body['calls'].get('abandoned_sessions', 0)} tools that never return ({body.get('deadline_releases', 0)} "
+            f"deadline releases); fallbacks to recompute: {body['fallbacks']['offload']['host_full']} offloads to a "
+            f"full host tier, {failed} "
+            f"failed or impossible pause transfers, {sum(body.get('spill_failures', {}).values())} failed spill copies "
+            f"or load-backs{timed}. Unexplained failures {len(body['unexpected_failures'])}, leaked tokens "
+            f"{body['leaked_tokens']}, terminated tokens left {body['terminated_pending_tokens']}, host tier "
+            f"{host['before']} -> {host['after']} tokens, integrity check {checked}, "
+            f"server {'alive and healthy' if body['health'] == 200 and body.get('server_alive', True) else 'DOWN'}: "
+            f"{'pass' if body['passed'] else 'FAIL'}.")
+
+
+def _soak(body: dict) -> list[str]:
+    phases = [(name, run) for name, run in body.items() if isinstance(run, dict)]
+    lines = ["Soak (`make soak`: three phases, each on a fresh CPU server; a phase passes with no server death, no "
+             "unexplained failure and no leaked token):", ""]
+    lines += [f"- {_SOAK_PHASES.get(name, name)}: {_soak_run(run)}" for name, run in phases]
+    return lines + ["", f"Soak overall: {'pass' if body['passed'] else 'FAIL'}.", ""]
 
 
 def _summary(body: dict) -> list[str]:

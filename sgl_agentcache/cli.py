@@ -139,7 +139,9 @@ def _soak(args: argparse.Namespace) -> int:
     from sgl_agentcache.soak import run_standalone
 
     report = run_standalone(args.seconds, args.workers, args.out, seed=args.seed)
-    print(json.dumps({k: v for k, v in report.items() if k != "resident_tokens"}, indent=1))
+    brief = {phase: {k: v for k, v in run.items() if k != "resident_tokens"} if isinstance(run, dict) else run
+             for phase, run in report.items()}
+    print(json.dumps(brief, indent=1))
     return 0 if report["passed"] else 1
 
 
@@ -223,8 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     attach_shared_checks(rp)
     rp.set_defaults(func=_replay)
 
-    soak = sub.add_parser("soak", help="soak a fresh CPU server with concurrent agents and faults, then check")
-    soak.add_argument("--seconds", type=positive_float, default=480, help="how long the agents run (default 480)")
+    soak = sub.add_parser("soak", help="soak fresh CPU servers (lazy pauses, eager pauses, two tenants with a "
+                                       "flood) with concurrent agents and faults, then check")
+    soak.add_argument("--seconds", type=positive_float, default=160,
+                      help="how long the agents run in each of the three phases (default 160)")
     soak.add_argument("--workers", type=positive_int, default=6, help="concurrent agent threads (default 6)")
     soak.add_argument("--seed", type=int, default=0, help="seed of the agents' random choices (default 0)")
     soak.add_argument("--out", help="write the report (JSON) here")

@@ -1,5 +1,11 @@
-"""A bounded soak against a real server: concurrent agents with forks, pauses, resumes, closes, aborted
-streams, duplicate closes and injected transfer faults; then everything is closed and checked.
+"""A bounded soak against a real server: concurrent agents with forks, pauses, resumes, prefetches, closes,
+aborted streams, duplicate closes and injected transfer faults; then everything is closed and checked.
+
+``make soak`` runs three phases, each on a fresh server (:func:`run_standalone`): the product's defaults
+(lazy pauses); eager pauses (offloads copied out, restores and prefetches copied back by worker
+threads, which once tripped SGLang's idle pool check and killed the server); and two tenants, one of
+which floods the server with pausing calls and refused over-long chats while the other's agents run
+and its ``/agentcache/stats`` is timed (:func:`run_tenants`).
 
 Each worker owns its sessions (no cross-worker races by construction), so every call has a known
 expected outcome and any other outcome is an unexplained failure; the one deliberate race, a close of a
@@ -35,14 +41,27 @@ class _Session:
 
 
 class Soak:
+    """``headers``: sent with every call (a tenant's key); ``admin_headers``: with the final checks
+    (stats, check) when they need more than the tenant may read. ``flood_workers``: threads that send
+    tiny hinted calls pausing on ``grep`` as fast as they are answered, and over-long chats the server
+    refuses (a hostile tenant). ``stats_every_s``: time ``GET /agentcache/stats`` that often meanwhile."""
+
     def __init__(self, server, vocab: int, *, workers: int = 4, seconds: float = 60.0, seed: int = 0,
-                 faults: bool = True):
+                 faults: bool = True, headers: dict | None = None, admin_headers: dict | None = None,
+                 flood_workers: int = 0, stats_every_s: float = 0.0):
         self.server, self.vocab, self.workers, self.seconds, self.faults = server, vocab, workers, seconds, faults
         self.seed = seed
+        self.headers = dict(headers or {})
+        self.admin_headers = dict(admin_headers if admin_headers is not None else self.headers)
+        self.flood_workers, self.stats_every_s = flood_workers, stats_every_s
         self.system = random.Random(seed).choices(range(3, vocab), k=64)
         self.counts: Counter = Counter()
         self.unexpected: list[str] = []
+        self.stats_waits: list[float] = []
         self.lock = threading.Lock()
+
+    def _request(self, method: str, path: str, body: dict | None = None, admin: bool = False):
+        return self.server.request(method, path, body, headers=self.admin_headers if admin else self.headers)
 
     # ---- calls ----
 
@@ -57,12 +76,12 @@ class Soak:
                                                          "ignore_eos": True},
                 "kv_hints": lifecycle_envelope({"session": session, "branch": branch, "stable_prefix_tokens": 64,
                                                 **hint}, message_id=f"m{rng.random()}")}
-        status, out = self.server.request("POST", "/generate", body)
+        status, out = self._request("POST", "/generate", body)
         self._note("generate", status == 200, f"{status} {out}")
         return out.get("output_ids") if status == 200 else None
 
     def _post(self, kind: str, path: str, body: dict, expect: tuple[int, ...] = (200,)) -> dict:
-        status, out = self.server.request("POST", path, body)
+        status, out = self._request("POST", path, body)
         self._note(kind, status in expect, f"{path} {body} -> {status} {out}")
         return out
 
@@ -73,7 +92,7 @@ class Soak:
                                                 "fork_point_tokens": len(prompt)}, message_id=f"m{rng.random()}")}
         conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=60)
         try:
-            conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+            conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json", **self.headers})
             response = conn.getresponse()
             ok = response.status == 200 and bool(response.fp.readline())
             self._note("aborted_stream", ok, f"status {response.status}")
@@ -90,7 +109,7 @@ class Soak:
         worker.start()
         time.sleep(rng.uniform(0.0, 0.05))
         body = {"session": session, "branch": branch}
-        status, out = self.server.request("POST", "/agentcache/branch/close", body)
+        status, out = self._request("POST", "/agentcache/branch/close", body)
         self._note("race_close", status in (200, 404), f"{status} {out}")
         worker.join(120)
         if status == 404:
@@ -116,8 +135,8 @@ class Soak:
                 prompt = self.system + ids(120)
                 s.history = prompt + (self._gen(rng, s.name, "main", prompt) or [])
                 continue
-            op = rng.choices(["turn", "fork", "pause", "close_fork", "abort", "dup_close", "race", "abandon", "fault"],
-                             weights=[5, 2, 2, 1, 1, 1, 1, 1, 1 if self.faults else 0])[0]
+            op = rng.choices(["turn", "fork", "pause", "close_fork", "abort", "dup_close", "race", "abandon", "fault",
+                              "prefetch"], weights=[5, 2, 2, 1, 1, 1, 1, 1, 1 if self.faults else 0, 1])[0]
             if op == "turn":
                 prompt = s.history + ids(rng.randrange(20, 80))
                 out = self._gen(rng, s.name, "main", prompt)
@@ -136,6 +155,12 @@ class Soak:
                 s.paused = True
             elif op == "pause":
                 self._post("resume", "/agentcache/resume", {"session": s.name})
+            elif op == "prefetch" and s.paused:
+                # "The tool is nearly done", then its result: the copy back may still be in flight when
+                # the resume (or the next turn) comes, and the scheduler may idle meanwhile.
+                self._post("prefetch", "/agentcache/prefetch", {"session": s.name}, expect=(200, 404))
+                self._post("resume", "/agentcache/resume", {"session": s.name})
+                s.paused = False
             elif op == "close_fork" and s.forks:
                 self._post("branch_close", "/agentcache/branch/close", {"session": s.name, "branch": s.forks.pop()})
             elif op == "abort" and len(s.history) + 200 < 1000:
@@ -163,23 +188,64 @@ class Soak:
         with self.lock:
             self.counts["abandoned_sessions"] += len(abandoned)
 
-    # ---- the run ----
+    def _flood(self, index: int, deadline: float) -> None:
+        """A hostile tenant: tiny hinted calls that pause on ``grep`` when answered, as fast as they are
+        answered, on 40 branches of one session; now and then a chat far over the context (refused)."""
+        rng = random.Random(self.seed * 1000 + 500 + index)
+        session = f"soak{self.seed}-flood{index}"
+        huge = {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": ""}] * 3000}
+        while time.monotonic() < deadline:
+            if rng.random() < 0.02:
+                status, out = self._request("POST", "/v1/chat/completions", huge)
+                self._note("flood_refused_chat", status == 400, f"{status} {out}")
+                continue
+            prompt = self.system + [rng.randrange(3, self.vocab) for _ in range(8)]
+            self._gen(rng, session, f"b{rng.randrange(40)}", prompt, tool_class="grep")
+        self._post("session_close", "/agentcache/session/close", {"session": session}, expect=(200, 404))
 
-    def run(self) -> dict:
-        started = time.monotonic()
-        before = self.server.request("GET", "/agentcache/stats")[1]
+    def _time_stats(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            status, out = self._request("GET", "/agentcache/stats")
+            self._note("stats", status == 200, f"{status} {out}")
+            with self.lock:
+                self.stats_waits.append(time.monotonic() - started)
+            time.sleep(self.stats_every_s)
+
+    def drive(self) -> None:
+        """Run the agents (and the flood and the stats timer), until every worker has finished."""
+        deadline = time.monotonic() + self.seconds
         threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)]
+        threads += [threading.Thread(target=self._flood, args=(i, deadline), daemon=True)
+                    for i in range(self.flood_workers)]
+        if self.stats_every_s > 0:
+            threads.append(threading.Thread(target=self._time_stats, args=(deadline,), daemon=True))
         for t in threads:
             t.start()
         for t in threads:
             t.join(self.seconds + 300)
+
+    # ---- the run ----
+
+    def run(self) -> dict:
+        started = time.monotonic()
+        before = self._request("GET", "/agentcache/stats", admin=True)[1]
+        self.drive()
         time.sleep(1.0)  # aborted streams finish releasing
-        _, stats = self.server.request("GET", "/agentcache/stats")
-        _, check = self.server.request("GET", "/agentcache/check")
-        health, _ = self.server.request("GET", "/health")
+        return self.report(before, started)
+
+    def report(self, before: dict, started: float) -> dict:
+        """What the run left: every soak branch closed and owning nothing, nothing terminated pending,
+        the tree check passing, the server healthy (read with the admin headers)."""
+        _, stats = self._request("GET", "/agentcache/stats", admin=True)
+        _, check = self._request("GET", "/agentcache/check", admin=True)
+        health, _ = self._request("GET", "/health")
         mine = [b for b in stats["branches"] if b["session"].startswith(f"soak{self.seed}-")]
+        waits = sorted(self.stats_waits)
         return {
-            "workers": self.workers, "seconds": round(time.monotonic() - started, 1), "calls": dict(self.counts),
+            "workers": self.workers, "flood_workers": self.flood_workers,
+            "seconds": round(time.monotonic() - started, 1), "calls": dict(self.counts),
+            "stats_wait_s": {"n": len(waits), "p50": waits[len(waits) // 2], "max": waits[-1]} if waits else None,
             "unexpected_failures": self.unexpected, "health": health, "check_ok": check.get("ok"),
             "check_idle": check.get("idle"), "open_soak_branches": [b for b in mine if not b["closed"]],
             "leaked_tokens": sum(b["owned_tokens"] + b.get("spilled_tokens", 0) for b in mine),
@@ -201,28 +267,86 @@ def _pause_host_tokens(stats: dict) -> int:
     return stats["pauses"]["host"]["used_tokens"] - stats["spill"]["tokens"]
 
 
-def run_standalone(seconds: float, workers: int, out_path: str | None, seed: int = 0) -> dict:
-    """Start a CPU server with the tiny model (fault injection on), soak it, write the report."""
+def passed(report: dict) -> bool:
+    """A phase passed: no unexplained failure, the server alive and its tree sound, nothing left."""
+    return bool(not report["unexpected_failures"] and report["health"] == 200 and report["check_ok"]
+                and not report["open_soak_branches"] and report["leaked_tokens"] == 0
+                and report["terminated_pending_tokens"] == 0 and report["host_tokens"]["after"] == 0)
+
+
+TOOL_PRIORS = {"grep": {"median_s": 0.02, "sigma": 0.5}, "ci_run": {"median_s": 60.0, "sigma": 1.5}}
+#: The two tenants of the tenant phase (keys for this local test server only).
+TENANT_KEYS = {"flooder": "ak-soak-flooder-0123456789", "victim": "ak-soak-victim-01234567890"}
+ADMIN_KEY = "ak-soak-admin-0123456789abc"
+
+
+def tenants_file(path) -> None:
+    """The tenant phase's tenants: two tenants and an admin; sessions need no credential (any id,
+    still bound to its tenant's namespace), so the soak's agents name their own."""
+    from sgl_agentcache.tenancy import key_digest
+
+    lines = ["require_signed_sessions = false", f'admin_keys = ["{key_digest(ADMIN_KEY)}"]']
+    for name, key in TENANT_KEYS.items():
+        lines += [f"[tenants.{name}]", f'keys = ["{key_digest(key)}"]']
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_tenants(server, vocab: int, *, seconds: float, workers: int, seed: int = 0) -> dict:
+    """Two tenants on one server: ``flooder`` runs agents plus a flood (pausing calls, refused chats),
+    ``victim`` runs agents and times its own stats meanwhile. Both are checked once both are done."""
+    admin = {"x-agentcache-key": ADMIN_KEY}
+    flooder = Soak(server, vocab, workers=max(workers // 3, 1), seconds=seconds, seed=seed * 10 + 1, faults=False,
+                   headers={"x-agentcache-key": TENANT_KEYS["flooder"]}, admin_headers=admin,
+                   flood_workers=max(workers, 2))
+    victim = Soak(server, vocab, workers=max(workers // 2, 1), seconds=seconds, seed=seed * 10 + 2, faults=False,
+                  headers={"x-agentcache-key": TENANT_KEYS["victim"]}, admin_headers=admin, stats_every_s=0.25)
+    started = time.monotonic()
+    before = server.request("GET", "/agentcache/stats", headers=admin)[1]
+    runs = [threading.Thread(target=soak.drive, daemon=True) for soak in (flooder, victim)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(seconds + 600)
+    time.sleep(1.0)
+    return {"flooder": flooder.report(before, started), "victim": victim.report(before, started)}
+
+
+def run_standalone(seconds: float, workers: int, out_path: str | None, seed: int = 0,
+                   phases: tuple[str, ...] = ("lazy", "eager", "tenants")) -> dict:
+    """Soak a fresh CPU server per phase (tiny model, fault injection on; see the module docstring),
+    ``seconds`` each; write the report. A phase passes with 0 server deaths and 0 leaked tokens."""
     import tempfile
     from pathlib import Path
 
     from sgl_agentcache.cpu_server import CpuServer
     from sgl_agentcache.tiny_model import make_tiny_model
 
+    report: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model")
-        server = CpuServer(str(model.path), log_path=Path(tmp) / "sglang.log", max_total_tokens=4096,
-                           extra_args=("--enable-cache-report",),
-                           env={"AGENTCACHE_FAULT_INJECTION": "1", "AGENTCACHE_PROFILE": "seed",
-                                # A small host tier (a few branches' worth): offloads also meet a full one.
-                                "AGENTCACHE_HOST_TOKENS": "640",
-                                "AGENTCACHE_TOOL_PRIORS": json.dumps({"grep": {"median_s": 0.02, "sigma": 0.5},
-                                                                          "ci_run": {"median_s": 60.0, "sigma": 1.5}})})
-        with server.start():
-            report = Soak(server, model.vocab_size, workers=workers, seconds=seconds, seed=seed).run()
-    report["passed"] = (not report["unexpected_failures"] and report["health"] == 200 and report["check_ok"]
-                        and not report["open_soak_branches"] and report["leaked_tokens"] == 0
-                        and report["terminated_pending_tokens"] == 0 and report["host_tokens"]["after"] == 0)
+        for phase in phases:
+            env = {"AGENTCACHE_FAULT_INJECTION": "1", "AGENTCACHE_PROFILE": "seed",
+                   # A small host tier (a few branches' worth): offloads also meet a full one.
+                   "AGENTCACHE_HOST_TOKENS": "640", "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS)}
+            if phase == "eager":
+                env["AGENTCACHE_PAUSE_MODE"] = "eager"
+            if phase == "tenants":
+                tenants_file(Path(tmp) / "tenants.toml")
+                env |= {"AGENTCACHE_TENANTS": str(Path(tmp) / "tenants.toml"), "AGENTCACHE_SECRET": "k" * 48,
+                        "AGENTCACHE_INFER": "chat"}
+            server = CpuServer(str(model.path), log_path=Path(tmp) / f"sglang-{phase}.log", max_total_tokens=4096,
+                               extra_args=("--enable-cache-report",), env=env)
+            with server.start():
+                if phase == "tenants":
+                    runs = run_tenants(server, model.vocab_size, seconds=seconds, workers=workers, seed=seed)
+                else:
+                    runs = {phase: Soak(server, model.vocab_size, workers=workers, seconds=seconds, seed=seed).run()}
+                alive = server.proc is not None and server.proc.poll() is None
+            for name, run in runs.items():
+                run["server_alive"] = alive
+                run["passed"] = alive and passed(run)
+                report[name] = run
+    report["passed"] = all(run["passed"] for run in report.values())
     if out_path:
         Path(out_path).write_text(json.dumps(report, indent=1) + "\n")
     return report
