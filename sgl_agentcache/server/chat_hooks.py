@@ -217,8 +217,9 @@ def _after_validate_one_request(result, tokenizer_manager, obj, *args, **kwargs)
     its inferred branch counts now. A request refused before this point (too long, a bad field, a
     refused credential) is taken back when it ends, and inference keeps nothing of it."""
     pending = getattr(obj, "agentcache_inferred", None)
-    if pending is None and isinstance(getattr(obj, "kv_hints", None), dict):  # a sample of an n > 1 request
-        message_id = obj.kv_hints.get("message_id")
+    if pending is None and getattr(obj, "kv_hints", None) is not None:  # a sample of an n > 1 request
+        hints = obj.kv_hints  # by then SGLang has decoded the envelope (a KvHintsEnvelope), or a dict
+        message_id = hints.get("message_id") if isinstance(hints, dict) else getattr(hints, "message_id", None)
         pending = _live.get(message_id) if isinstance(message_id, str) else None
     if isinstance(pending, _Pending) and not pending.committed:
         with _lock:
