@@ -111,9 +111,34 @@ def _replay(body: dict) -> list[str]:
         out += [f"Ours against the best other system (not clairvoyant) per workload, {cfg['sweep_pressure']} pool, "
                 "host tier 1x, seed by seed: " + "; ".join(verdicts) + ".", ""]
     out += _sweep(body)
+    out += _latency(body)
     out += _inferred(body)
     out += _decisions(body, cfg["sweep_pressure"], 1.0)
     return out
+
+
+_LATENCY_COLUMNS = (("resume_p50_s", "resume p50"), ("resume_p99_s", "resume p99"),
+                    ("resume_own_wait_p99_s", "resume own wait p99"), ("own_wait_total_s", "own waits, total"),
+                    ("session_jct_mean_s", "session JCT, mean"))
+
+
+def _latency(body: dict) -> list[str]:
+    """Ours / HiCache write-back on latency, seed by seed, at the sweep pressure and host tier 1x: a
+    resumed call's latency counts from its trace arrival (lag its branch's earlier calls left included);
+    its own wait counts from when the server received it (what its own admission cost)."""
+    cfg = body["config"]
+    pressure = cfg["sweep_pressure"]
+    cells = {(c["metric"], c["workload"]): c for c in body.get("latency_comparisons", ())
+             if c["pressure"] == pressure and c["host_ratio"] == 1.0 and c["other"] == "hicache"}
+    if not cells:
+        return []
+    refused = {(s["workload"], s["policy"]): s["admission_refusals"] for s in body["summary"]
+               if s["pressure"] == pressure and s["host_ratio"] == 1.0 and s["policy"] in (OURS, "hicache")}
+    out = _verdict_table(f"**ours / hicache, latency, {pressure} pool, host 1x** (modelled times)",
+                         [label for _, label in _LATENCY_COLUMNS], cfg["workloads"],
+                         lambda w, i: cells.get((_LATENCY_COLUMNS[i][0], w)))
+    counts = "; ".join(f"{w} {refused.get((w, OURS), 0)} / {refused.get((w, 'hicache'), 0)}" for w in cfg["workloads"])
+    return out + [f"Admission attempts refused for room, all seeds (ours / hicache): {counts}.", ""]
 
 
 def _inferred(body: dict) -> list[str]:

@@ -113,8 +113,8 @@ def test_mooncake_slice_groups_rows_into_sessions():
         for prev, nxt in zip(turns, turns[1:]):  # a continuation extends the previous turn's prompt
             assert nxt.t > prev.t and nxt.input_tokens > prev.input_tokens
             assert nxt.blocks[: len(prev.blocks) - 1] == prev.blocks[:-1] and len(prev.blocks) >= 3
-            assert prev.tool is not None and prev.tool.tool_class == "inferred"
-        assert turns[-1].close and not any(r.close for r in turns[:-1])
+        # A chat client cannot know whether its session goes on: no row pauses or closes (issue #39).
+        assert not any(r.tool is not None or r.close for r in turns)
     # Every row of this trace starts with the same block: linking on it alone merges unrelated chats.
     loose = import_mooncake(ROOT / "mooncake" / "conversation_trace.first1013.jsonl.gz")
     assert trace_stats(loose)["sessions"] < 834

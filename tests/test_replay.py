@@ -18,7 +18,7 @@ from sgl_agentcache.sim.policies import POLICIES, PauseView, continuum_ttl
 from sgl_agentcache.sim.replay import TraceFuture, jain, replay
 from sgl_agentcache.sim.suite import PRESSURES, SuiteConfig, compare, mean_ci, pool_for, run_suite, write_report
 from sgl_agentcache.trace.generators import generate
-from sgl_agentcache.trace.schema import Request, ToolCall, Trace, TraceHeader
+from sgl_agentcache.trace.schema import Event, Request, ToolCall, Trace, TraceHeader
 
 SEED = PROFILES["seed"]
 VOCAB = 2**31 - 1
@@ -81,6 +81,10 @@ def test_suite_cells_give_every_compared_system_equal_memory():
         assert all(r["recomputed_tokens"] >= r["lower_bound_tokens"] - 1e-6 for r in rows)
     pools = {p: {r["pool_tokens"] for r in report["rows"] if r["pressure"] == p} for p in PRESSURES}
     assert max(pools["tight"]) < min(pools["moderate"])  # pressure points differ
+    # Latency beside tokens: ours against stock and write-back on each latency, seed by seed.
+    metrics = {(c["metric"], c["other"]) for c in report["latency_comparisons"] if c["host_ratio"] == 1.0}
+    assert metrics >= {(m, o) for m in ("resume_p99_s", "resume_own_wait_p99_s", "session_jct_mean_s")
+                       for o in ("stock", "hicache")}
 
 
 def _scrambled_durations(trace: Trace, seed: int) -> Trace:
@@ -133,6 +137,68 @@ def test_only_the_clairvoyant_heuristic_reads_the_future(branch_heavy, results):
         elif not same:
             changed.add(name)
     assert changed == {"clairvoyant"}  # the test has teeth: the future does drive that one
+
+
+def _future_changed(trace: Trace, cut: float, how: str) -> Trace:
+    """``trace`` with its future past ``cut`` changed, its present kept: every call arriving by ``cut``
+    and its tokens are the same. ``closes``: calls past the cut flip their close flag and events past
+    it go; ``tools``: calls past the cut gain or lose their tool stop; ``calls``: nothing past the cut
+    (no branch has a call left); ``times``: every record past the cut arrives 50 s later."""
+    records = []
+    for record in trace.records:
+        late = record.t > cut
+        if late and (how == "calls" or (how == "closes" and isinstance(record, Event))):
+            continue
+        if late and how == "closes":
+            record = msgspec.structs.replace(record, close=not record.close)
+        elif late and how == "tools" and isinstance(record, Request):
+            record = msgspec.structs.replace(
+                record, tool=None if record.tool is not None else ToolCall(tool_class="grep", duration_s=1.0))
+        elif late and how == "times":
+            record = msgspec.structs.replace(record, t=record.t + 50.0)
+        records.append(record)
+    return Trace(header=trace.header, records=records)
+
+
+@pytest.fixture(scope="module")
+def long_tools():
+    trace = generate("long_tools", seed=1, scale=0.1)
+    pool = pool_for(trace, "tight")
+    return trace, pool, {name: replay(trace, name, pool_tokens=pool, host_tokens=pool, profile=SEED,
+                                      vocab_size=VOCAB) for name in POLICIES}
+
+
+@pytest.mark.parametrize("how", ["closes", "tools", "calls", "times", "calls-long_tools"])
+def test_no_policy_reads_the_traces_structure_ahead(branch_heavy, results, long_tools, how, monkeypatch):
+    """Issue #39 item 5: the future is more than durations. With the close flags, the tool stops, the
+    calls a branch has left and the arrival times past a cut changed, every call that started by the
+    cut is served exactly as before (same start, same hit) by every system but the clairvoyant one:
+    none reads what a client had not sent yet (KVFlow's step graph counted each branch's remaining calls
+    and read later forks' arrivals). The clairvoyant heuristic must see which calls are left."""
+    trace, pool, host = branch_heavy
+    if how == "calls-long_tools":  # where KVFlow's old step graph served a call differently (its teeth)
+        (trace, pool, results), how, host = long_tools, "calls", long_tools[1]
+    cut = sorted(r.t for r in trace.requests)[len(trace.requests) // 2]
+    changed = _future_changed(trace, cut, how)
+    assert changed.records != trace.records
+    # What a call generated is recorded data, not a signal (the replay reads it from the branch's next
+    # prompt): the changed trace's calls generate what they did, whatever was cut after them.
+    from sgl_agentcache.sim.replay import _token_book
+
+    monkeypatch.setattr(_token_book(changed, VOCAB), "output", _token_book(trace, VOCAB).output)
+    moved = set()
+    for name, base in results.items():
+        other = replay(changed, name, pool_tokens=pool, host_tokens=host, profile=SEED, vocab_size=VOCAB)
+        before = {rid: call for rid, call in base.calls.items() if call[0] <= cut}
+        assert len(before) > 10
+        same = all(other.calls.get(rid) == call for rid, call in before.items())
+        if not POLICIES[name].clairvoyant:
+            diff = [(rid, call, other.calls.get(rid)) for rid, call in before.items() if other.calls.get(rid) != call]
+            assert same, (name, diff[:5])
+        elif not same:
+            moved.add(name)
+    if how == "calls" and trace is branch_heavy[0]:
+        assert moved == {"clairvoyant"}  # the test has teeth: which calls are left does drive that one
 
 
 def test_policies_use_the_mechanisms_they_claim(results):
@@ -275,3 +341,48 @@ def test_suite_writes_json_and_plots(tmp_path):
     assert all(len(r["recompute_ci95"]) == 2 for r in rows.values())
     assert body["comparisons"] and all(c["verdict"] in ("better", "worse", "tie") for c in body["comparisons"])
     assert body["command"] == "test" and body["environment"]["versions"]["sglang"] == "0.5.23"
+
+
+def test_kvflow_steps_come_from_what_has_been_seen():
+    """KVFlow's step graph, online: a running branch is at 0, one stopped on a tool at 1, a lead that
+    spawned workers 1 + the workers' steps, an ended or idle (answered, no tool) branch at the cap; a
+    worker is known from its first call, never from the trace's later records."""
+    from sgl_agentcache.sim.stepgraph import StepGraph
+
+    def call(rid, branch, tool=True, parent=None, close=False):
+        return Request(id=rid, t=0.0, session="s", branch=branch, parent_branch=parent, blocks=[1], input_tokens=1,
+                       output_tokens=1, tool=ToolCall(tool_class="t", duration_s=None) if tool else None, close=close)
+
+    g, lead, worker = StepGraph(cap=5), ("default", "s", "main"), ("default", "s", "w")
+    assert g.steps(lead) == 5  # never seen
+    g.received(call("m0", "main"))
+    assert g.steps(lead) == 1  # waiting to run
+    g.started(call("m0", "main"))
+    assert g.steps(lead) == 0
+    g.finished(call("m0", "main"))
+    assert g.steps(lead) == 1  # on its tool
+    assert g.received(call("w0", "w", parent="main")) == [lead]
+    assert g.steps(lead) == 2 and g.steps(worker) == 1
+    g.started(call("w0", "w", parent="main"))
+    assert g.steps(lead) == 1
+    g.finished(call("w0", "w", tool=False, parent="main", close=True))
+    assert g.steps(worker) == 5 and g.steps(lead) == 1  # the worker ended: the lead is next
+    g.received(call("m1", "main"))
+    g.started(call("m1", "main"))
+    g.finished(call("m1", "main", tool=False))
+    assert g.steps(lead) == 5  # answered without a tool: waits on someone unseen
+
+
+def test_a_calls_own_wait_is_counted_from_when_the_server_received_it(results):
+    """Issue #39 item 1: a resumed call's latency from its trace arrival carries the lag its branch's
+    earlier calls left; its own wait counts from when the server received it (the previous call
+    answered), never more. Every call has one; a session's JCT is at least its trace's own span."""
+    for name, r in results.items():
+        assert len(r.own_waits_s) == r.requests and min(r.own_waits_s) >= 0.0, name
+        assert len(r.resume_own_waits_s) == len(r.resume_queue_s) > 0, name
+        assert all(own <= queued + 1e-9 for own, queued in zip(r.resume_own_waits_s, r.resume_queue_s)), name
+        assert all(jct >= span - 1e-9 for jct, span in zip(r.session_jct_s, r.session_span_s)), name
+        d = r.to_dict()
+        assert d["own_wait_s"]["total"] == pytest.approx(sum(r.own_waits_s)) and r.admission_refusals >= 0
+    # Causality holds calls back on every system: some resumes waited on their branch's earlier calls.
+    assert any(q > own for r in results.values() for own, q in zip(r.resume_own_waits_s, r.resume_queue_s))

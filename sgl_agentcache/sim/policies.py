@@ -19,7 +19,9 @@ ratio), our ``AgentRadixCache`` for the rest. They differ in
 Mechanisms (``docs/anchors.md``; formulas checked against the papers and their public code):
 
 - B1 ``hicache``: SGLang HiCache's write-back on the same host budget, LRU on both tiers.
-- B2 ``infercept``: InferCept's min-waste rule with pipelined, budgeted swap (paper §4): a pause is
+- B2 ``infercept``: InferCept's min-waste rule with pipelined, budgeted swap (paper §4), on HiCache
+  write-back (evicted nodes go to the same host tier: without it InferCept, built on a vLLM with no host
+  cache, recomputed 1.4-4x stock's tokens wherever a host tier was given -- a strawman): a pause is
   swapped (offloaded) while the swap budget -- what the host link moves while the GPU computes --
   has room, else preserved or discarded, whichever wastes less memory-time (preserve: expected
   remaining interception x tokens; discard with chunked recompute: ``C (C/2 + C_other) / prefill
@@ -32,10 +34,13 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
   delay of returning calls that lost KV, ``eta = -Corr(k, N - k)`` over finished sessions. Expiry
   unpins (back to LRU). With a host tier, evicted KV goes to host as in Continuum's evaluation
   (LMCache DRAM offload) and PrefillOrReload is the reload time. ``continuum-2s`` is the public
-  fork's fixed rule (pin 2 s when the tool's running mean is at most 2 s).
-- B4 ``kvflow``: KVFlow's steps-to-execution eviction over its agent step graph (the trace's call
-  structure, ``sim/stepgraph.py``; no times) on HiCache write-back, with prefetch of the agents whose
-  next step is within ``load_ahead_step`` (2).
+  fork's fixed rule (pin 2 s when the tool's running mean is at most 2 s). Only Continuum's cache side
+  runs here: its program-level FCFS scheduling does not, so the results label it "LRU write-back + TTL
+  pin", not Continuum.
+- B4 ``kvflow``: KVFlow's steps-to-execution eviction over its agent step graph (``sim/stepgraph.py``:
+  the structure seen so far -- running branches, tool stops, spawned workers, ends; no times, and no
+  trace future: it once counted each branch's remaining calls) on HiCache write-back, with prefetch of
+  the agents whose next step is within ``load_ahead_step`` (2).
 - B5 ``session-radix``: SGLang's ``--enable-session-radix-cache`` soft protection (reference, no host).
 - ours: lifecycle rank, quotas and closes, our pause policy (learned latency distributions), the node
   spill, and a prefetch at the tool class's learned median (into free memory only).
@@ -228,11 +233,12 @@ class ClairvoyantRule:
 POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
     ReplayPolicy("stock", "B0 SGLang LRU (no host tier)", stock=True),
     ReplayPolicy("hicache", "B1 LRU + HiCache write-back", ranking=LruRanking, spill=True),
-    ReplayPolicy("infercept", "B2 InferCept min-waste, budgeted swap", ranking=LruRanking, pause_rule=InferCeptRule),
-    ReplayPolicy("continuum", "B3 Continuum TTL (Eq. 2) + offload", ranking=LruRanking, spill=True,
-                 pause_rule=ContinuumRule),
-    ReplayPolicy("continuum-2s", "B3' Continuum public 2 s rule + offload", ranking=LruRanking, spill=True,
-                 pause_rule=ContinuumFixedRule),
+    ReplayPolicy("infercept", "B2 InferCept min-waste, budgeted swap + write-back", ranking=LruRanking, spill=True,
+                 pause_rule=InferCeptRule),
+    ReplayPolicy("continuum", "B3 LRU write-back + TTL pin (Continuum's Eq. 2 TTL, not its scheduler)",
+                 ranking=LruRanking, spill=True, pause_rule=ContinuumRule),
+    ReplayPolicy("continuum-2s", "B3' LRU write-back + 2 s pin (Continuum's public rule, not its scheduler)",
+                 ranking=LruRanking, spill=True, pause_rule=ContinuumFixedRule),
     ReplayPolicy("kvflow", "B4 KVFlow steps-to-execution + prefetch", ranking=StepsRanking, spill=True, steps=True),
     ReplayPolicy("session-radix", "B5 SGLang session-radix (no host tier)", stock=True, session_radix=True),
     ReplayPolicy("agentcache", "ours: lifecycle + pause policy + spill", hints=True, quotas=True, spill=True,

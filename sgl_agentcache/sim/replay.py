@@ -92,8 +92,18 @@ class ReplayResult:
     cached_tokens: int = 0  # device hits, including what a restore brought back before the match
     restored_tokens: int = 0  # of which came from the host tier
     recomputed_tokens: int = 0
+    # A resumed call's latency counts from its trace arrival: it carries the lag its branch's earlier
+    # calls left (the user-facing figure); its own wait counts from when the server received it (the
+    # previous call answered, its tool returned): what this call's admission cost, nothing inherited.
     resume_latencies_s: list[float] = field(default_factory=list, repr=False)
     resume_queue_s: list[float] = field(default_factory=list, repr=False)
+    own_waits_s: list[float] = field(default_factory=list, repr=False)  # every call: start - received
+    resume_own_waits_s: list[float] = field(default_factory=list, repr=False)
+    admission_refusals: int = 0  # admission attempts refused for room (the call waits and tries again)
+    # Per session: its last answer - its first call's trace arrival (its JCT here), and its trace's own
+    # span (last arrival - first): the JCT a system with no wait at all comes closest to.
+    session_jct_s: list[float] = field(default_factory=list, repr=False)
+    session_span_s: list[float] = field(default_factory=list, repr=False)
     # From a close (or abort) event to the moment the branch's KV is reclaimed, for the policies that
     # reclaim on close; a close waits for the branch's calls that came before it.
     reclaim_latencies_s: list[float] = field(default_factory=list, repr=False)
@@ -115,6 +125,9 @@ class ReplayResult:
     # The order the cache saw calls start ("a") and finish ("f"), by request id: what the LP lower
     # bound is computed on (sim/bound.py).
     access_log: list = field(default_factory=list, repr=False)
+    # Each call as the cache served it: request id -> (when it started, tokens it hit). What the
+    # non-clairvoyance test compares call by call (tests/test_replay.py).
+    calls: dict = field(default_factory=dict, repr=False)
     completion_s: float = 0.0  # when the last call finished (the trace's makespan under this system)
     inference: dict = field(default_factory=dict)  # ours, inferred: what the chat inference decided
     wall_s: float = 0.0
@@ -127,12 +140,17 @@ class ReplayResult:
         return _quantiles(self.resume_latencies_s)
 
     def to_dict(self) -> dict:
-        skip = ("resume_latencies_s", "resume_queue_s", "reclaim_latencies_s", "access_log", "timeline")
+        skip = ("resume_latencies_s", "resume_queue_s", "reclaim_latencies_s", "access_log", "timeline", "calls",
+                "own_waits_s", "resume_own_waits_s", "session_jct_s", "session_span_s")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["timeline"] = list(self.timeline)
         return out | {"hit_rate": self.hit_rate, "resume_s": self.resume_quantiles(),
                       "resume_mean_s": statistics.fmean(self.resume_latencies_s or [0.0]),
                       "resume_queue_s": _quantiles(self.resume_queue_s),
+                      "own_wait_s": _quantiles(self.own_waits_s) | {"total": sum(self.own_waits_s)},
+                      "resume_own_wait_s": _quantiles(self.resume_own_waits_s),
+                      "session_jct_s": _quantiles(self.session_jct_s) | {
+                          "mean": statistics.fmean(self.session_jct_s or [0.0])},
                       "reclaim_latency_s": _quantiles(self.reclaim_latencies_s),
                       "fairness_jain": jain(list(self.tenant_hit_rates.values())),
                       "resume_latencies_s": [round(x, 6) for x in self.resume_latencies_s]}
@@ -273,7 +291,7 @@ class _Run:
         self.tokens = _token_book(trace, vocab_size)
         # The future, for a clairvoyant policy only (tests hand in a scrambled one).
         self.future = (future or TraceFuture(trace, self.tokens)) if policy.clairvoyant else None
-        self.graph = StepGraph(trace, KVFLOW_HOLD_STEPS + 1) if policy.steps else None
+        self.graph = StepGraph(KVFLOW_HOLD_STEPS + 1) if policy.steps else None
         self.by_id = by_id = {r.id: r for r in trace.requests}
         self.after_tool = {nxt.id: by_id[rid] for rid, nxt in self.tokens.next_call.items()
                            if by_id[rid].tool is not None}
@@ -302,6 +320,12 @@ class _Run:
         self.received: dict[tuple, int] = {}  # trace branch -> its calls the server received, not yet done
         self.inferred_orphans = 0
         self.restore_marks: dict[str, int] = {}  # request id -> tokens its failed attempts loaded back
+        self.received_at: dict[str, float] = {}  # request id -> when the server received it
+        # (tenant, session) -> [first call's trace arrival, last call's trace arrival, last answer]
+        self.session_times: dict[tuple[str, str], list[float]] = {}
+        for r in trace.requests:
+            times = self.session_times.setdefault((r.tenant, r.session), [r.t, r.t, r.t])
+            times[0], times[1] = min(times[0], r.t), max(times[1], r.t)
         # Forks and joins (sim/causality.py): a call waits, unsent, for other branches' calls.
         self.blocked_by = {rid: set(ids) for rid, ids in cross_branch_prerequisites(trace).items()}
         self.unblocks: dict[str, list[str]] = {}
@@ -356,6 +380,7 @@ class _Run:
             req = self.driver.admit(request.id, self.tokens.prompt(request), kv_hints=envelope,
                                     extra_key=request.tenant, session_id=session_id, budget=budget)
         except OfflineOutOfMemory:
+            self.result.admission_refusals += 1
             # Its match may already have loaded host copies back (as the scheduler's does at every
             # attempt): they count toward the call when it runs.
             if self.agent:
@@ -372,6 +397,7 @@ class _Run:
             restored = self.restored_so_far() - restored_before + self.restore_marks.pop(request.id, 0)
         r = self.result
         r.access_log.append(("a", request.id))
+        r.calls[request.id] = (now, req.cached_tokens)
         r.requests += 1
         r.input_tokens += request.input_tokens
         r.cached_tokens += req.cached_tokens
@@ -383,10 +409,13 @@ class _Run:
         # A restore at admission sits on the critical path (a prefetched one already happened).
         service = restored * self.profile.kv_bytes_per_token / self.profile.h2d_bytes_per_s
         service += self.profile.prefill_s(request.input_tokens - req.cached_tokens)
+        own = now - self.received_at.pop(request.id, arrived)
+        r.own_waits_s.append(own)
         previous = self.after_tool.get(request.id)
         if previous is not None:
             r.resume_latencies_s.append(now - arrived + service)
             r.resume_queue_s.append(now - arrived)
+            r.resume_own_waits_s.append(own)
             if req.cached_tokens < previous.input_tokens:
                 self.lost_queue.append(now - arrived)
         service += self.profile.decode_s_per_token * max(request.output_tokens, 1)
@@ -430,6 +459,9 @@ class _Run:
                 if self.prices_joins and lead in self.paused:
                     self.reprice(lead, request.tenant, now)
         self.received[trace_key] = self.received.get(trace_key, 0) + 1
+        self.received_at[request.id] = now
+        if self.graph is not None:
+            self.update_steps(self.graph.received(request))
         return request
 
     def resumed(self, request: Request, now: float) -> None:
@@ -473,6 +505,8 @@ class _Run:
         self.driver.finish(entry[0])
         self.result.access_log.append(("f", request.id))
         self.result.completion_s = now
+        times = self.session_times[self.key(request)[:2]]  # the trace's session (inference renames it)
+        times[2] = max(times[2], now)
         self.answered(request, now)
         branch = self.branch(request)
         self.last_call[branch] = request
@@ -641,6 +675,11 @@ class _Run:
 
     def apply_event(self, event: Event, now: float) -> None:
         self.abort_live(event, now)
+        if self.graph is not None:
+            ended = (sorted(key for key in self.graph.seen if key[:2] == (event.tenant, event.session))
+                     if event.kind == "close_session" else [self.key(event)])
+            for key in ended:
+                self.update_steps(self.graph.branch_ended(key))
         if event.kind == "close_session":
             calls = self.session_calls.pop((event.tenant, event.session), 0)
             if calls:
@@ -794,6 +833,9 @@ class _Run:
 
     def finish(self) -> ReplayResult:
         r = self.result
+        for first, last, answered in self.session_times.values():
+            r.session_jct_s.append(answered - first)
+            r.session_span_s.append(last - first)
         report = self.driver.check()
         r.integrity_ok = report.ok
         r.tenant_hit_rates = {t: c / max(n, 1) for t, (c, n) in sorted(self.tenant_tokens.items())}

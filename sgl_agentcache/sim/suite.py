@@ -144,6 +144,9 @@ def _row(result: ReplayResult, stock: ReplayResult, cell: dict) -> dict:
         "resume_p50_s": d["resume_s"]["p50"], "resume_p95_s": d["resume_s"]["p95"], "resume_p99_s": d["resume_s"]["p99"],
         "resume_p99_vs_stock": _ratio(d["resume_s"]["p99"], base["resume_s"]["p99"]),
         "resume_queue_p50_s": d["resume_queue_s"]["p50"], "idle_kv_token_s": result.idle_kv_token_s,
+        "own_wait_p99_s": d["own_wait_s"]["p99"], "own_wait_total_s": d["own_wait_s"]["total"],
+        "resume_own_wait_p99_s": d["resume_own_wait_s"]["p99"], "admission_refusals": result.admission_refusals,
+        "session_jct_mean_s": d["session_jct_s"]["mean"], "session_jct_p50_s": d["session_jct_s"]["p50"],
         "reclaim_latency_p99_s": d["reclaim_latency_s"]["p99"], "reclaimed_tokens": result.reclaimed_tokens,
         "bytes_d2h": result.bytes_d2h, "bytes_h2d": result.bytes_h2d, "decisions": result.decisions,
         "prefetch": result.prefetch, "fairness_jain": d["fairness_jain"], "leaked_tokens": result.leaked_tokens,
@@ -232,6 +235,8 @@ def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], N
     return {"config": asdict(config), "profile": profile.to_dict(), "rows": rows, "runs": runs,
             "summary": summarize(rows), "comparisons": compare(rows, OURS),
             "comparisons_inferred": [c for c in compare(rows, INFERRED) if c["other"] in ("stock", "hicache", OURS)],
+            "latency_comparisons": [c for metric in LATENCY_METRICS for c in compare(rows, OURS, metric)
+                                    if c["other"] in ("stock", "hicache")],
             "jobs": len(jobs),
             "wall_s": time.perf_counter() - started, "environment": _environment()}
 
@@ -271,6 +276,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "completion_vs_stock": mean("completion_vs_stock"),
                     "resume_p50_s": mean("resume_p50_s"), "resume_p99_s": mean("resume_p99_s"),
                     "resume_p99_vs_stock": mean("resume_p99_vs_stock"), "idle_kv_token_s": mean("idle_kv_token_s"),
+                    "own_wait_total_s": mean("own_wait_total_s"), "session_jct_mean_s": mean("session_jct_mean_s"),
+                    "admission_refusals": sum(r["admission_refusals"] for r in group),
                     "bytes_moved": mean("bytes_d2h") + mean("bytes_h2d"), "decisions": decisions,
                     "refused": sum(r["refused"] for r in group),
                     "leaked_tokens": max((r["leaked_tokens"] or 0) for r in group),
@@ -278,10 +285,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def compare(rows: list[dict], ours: str) -> list[dict]:
-    """Ours against every other system of the same cell, seed by seed: the mean ratio of recomputed
-    tokens (ours / theirs) with its 95% interval, and a verdict that claims a difference only when
-    the interval excludes 1."""
+#: Latencies compared seed by seed like recompute (``latency_comparisons``): a resumed call's latency from
+#: its trace arrival (p50, p99), its own wait from when the server received it (p99), every call's own
+#: waits summed, and the mean session JCT.
+LATENCY_METRICS = ("resume_p50_s", "resume_p99_s", "resume_own_wait_p99_s", "own_wait_total_s", "session_jct_mean_s")
+
+
+def compare(rows: list[dict], ours: str, metric: str = "recomputed_tokens") -> list[dict]:
+    """Ours against every other system of the same cell, seed by seed: the mean ratio of ``metric``
+    (ours / theirs; recomputed tokens by default) with its 95% interval, and a verdict that claims a
+    difference only when the interval excludes 1 (lower is better)."""
     by_cell: dict[tuple, dict[str, dict[int, dict]]] = {}
     for row in rows:
         cell = (row["workload"], row["pressure"], row["host_ratio"])
@@ -295,13 +308,14 @@ def compare(rows: list[dict], ours: str) -> list[dict]:
             if other == ours:
                 continue
             seeds = sorted(set(mine) & set(theirs))
-            ratios = [_ratio(mine[s]["recomputed_tokens"], theirs[s]["recomputed_tokens"]) for s in seeds]
+            ratios = [_ratio(mine[s][metric], theirs[s][metric]) for s in seeds]
             if not ratios or any(math.isinf(r) for r in ratios):
                 continue
             mean, lo, hi = mean_ci(ratios)
             verdict = "better" if hi < 1.0 else "worse" if lo > 1.0 else "tie"
             out.append({"workload": workload, "pressure": pressure, "host_ratio": host_ratio, "other": other,
-                        "seeds": len(seeds), "ratio": mean, "ci95": [lo, hi], "verdict": verdict})
+                        "seeds": len(seeds), "ratio": mean, "ci95": [lo, hi], "verdict": verdict}
+                       | ({"metric": metric} if metric != "recomputed_tokens" else {}))
     return out
 
 

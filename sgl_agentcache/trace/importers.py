@@ -23,7 +23,9 @@ Mapping:
   call that arrived at or before the subagent's start;
 - the gap between a call's end (``t + api_time``) and the branch's next call is split by what ended the
   call. After ``stop == "tool_use"`` the harness runs the tool and sends the result back on its own, so
-  the whole gap is one tool call (class ``subagent`` if the call spawned one, else ``tool``). The
+  the whole gap is one tool call (class ``subagent`` if the call spawned one, else ``tool``). A call
+  that stopped for a tool carries it whether or not the trace has a next call (the client knows it runs
+  a tool, not whether the session goes on): the last one's duration is unknown (``None``). The
   client's own turnaround (0.2-1.0 s, the spawn delays above) is inside it, below the 1-s resolution of
   the calls' ``t``; a permission prompt a user answers also hides there and cannot be told apart. After
   any other stop (``end_turn``...) the model handed the turn to the user, so the whole gap is think time.
@@ -31,7 +33,9 @@ Mapping:
   left every tool at 0 s;
 - a subagent ends at its start plus ``duration_ms`` (at least its last call's end): a ``close_branch``
   event, or an ``abort`` event when its status is failed, cancelled, error, killed, interrupted or timed
-  out; the session ends with a ``close_session`` event when its last branch ends;
+  out (the harness knows its subagent returned). The session itself gets no end: a chat session's end is
+  not something its client knows when it sends a call (``close_sessions=True`` adds a ``close_session``
+  event when the last branch ends, for studies that want one, not for comparisons);
 - ``system_tokens + tool_tokens`` (of the trace or of the subagent) is ``stable_prefix_tokens``;
 - with ``detect_edits``, a call that keeps some but not all full blocks of the branch's previous call to
   the same model is a context edit (Claude Code's compaction): ``edit_from_tokens`` is the shared part.
@@ -42,8 +46,9 @@ time order, a row *continues* the session whose latest request it extends, meani
 with all of that request's ids but the last (the last block may be partial and grow), at least
 ``min_shared_blocks`` of them, its prompt is longer, and it arrives within ``max_gap_s``; the longest
 such match wins, and each session's latest request can be continued once. Anything else starts a new
-session. Rows with a ``session_id`` keep it instead. The gap between a session's calls, after a modelled
-service time, becomes a tool call of class ``inferred``.
+session. Rows with a ``session_id`` keep it instead. The rows carry no tool calls and no session ends:
+whether a row has a later row of its session is the trace's future, which a chat client cannot know when
+it sends the row (the gap before the next turn stays in the arrivals).
 
 Block ids: source ids are mapped into ``[0, 2**63)`` by a keyed hash (per trace and model for a
 ``local`` Weka scope, per model for ``global``), so equal ids stay equal and distinct ids stay distinct
@@ -248,9 +253,10 @@ class _Branch:
 
 
 def import_weka(source, *, tenant: str = "default", block_tokens: int | None = None, stagger_s: float = 0.0,
-                detect_edits: bool = True, name: str | None = None) -> Trace:
+                detect_edits: bool = True, close_sessions: bool = False, name: str | None = None) -> Trace:
     """Import Weka-style trace(s): a dict, a ``.json`` / ``.jsonl`` file of them (``.gz`` too), or a list
-    of dicts and files.
+    of dicts and files. ``close_sessions``: end each session with a ``close_session`` event (off: no
+    client knows its session's end when it sends a call; see the module doc).
 
     Several traces become several sessions, the k-th shifted by ``k * stagger_s`` seconds; all must
     share one ``block_size``, which is the header's ``block_tokens`` unless ``block_tokens`` re-blocks.
@@ -265,7 +271,7 @@ def import_weka(source, *, tenant: str = "default", block_tokens: int | None = N
     size = sizes[0]
     if any(s != size for s in sizes) or isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise TraceError(f"{where}: every trace needs one positive integer 'block_size', got {sizes[:5]}")
-    importer = _WekaImporter(tenant, _Blocks(size, block_tokens or size), detect_edits)
+    importer = _WekaImporter(tenant, _Blocks(size, block_tokens or size), detect_edits, close_sessions)
     for index, obj in enumerate(traces):
         importer.session(obj, index, index * stagger_s)
     src = {"importer": "weka", "file": where, "traces": len(traces), "source_block_size": size,
@@ -295,8 +301,9 @@ def _stable_tokens(obj: Mapping, where: str) -> int:
 
 
 class _WekaImporter:
-    def __init__(self, tenant: str, blocks: _Blocks, detect_edits: bool):
+    def __init__(self, tenant: str, blocks: _Blocks, detect_edits: bool, close_sessions: bool):
         self.tenant, self.blocks, self.detect_edits = tenant, blocks, detect_edits
+        self.close_sessions = close_sessions
         self.out = _Records()
         self.sessions: set[str] = set()
 
@@ -315,7 +322,7 @@ class _WekaImporter:
         session = _unique(_ident(obj["id"], 64), self.sessions)
         scope_key = f"{index}:{obj['id']}" if scope == "local" else ""
         ends = [self._branch(b, session, offset, scope_key) for b in branches if b.leaves]
-        if ends:
+        if ends and self.close_sessions:
             self.out.add(Event(t=max(ends), kind="close_session", tenant=self.tenant, session=session))
 
     def _walk(self, entries: list, branch: _Branch, where: str, branches: list[_Branch],
@@ -386,14 +393,14 @@ class _WekaImporter:
 
 def _gap(leaf: _Leaf, nxt: _Leaf | None) -> tuple[ToolCall | None, float]:
     """The gap from ``leaf``'s end to the branch's next call: all tool time if ``leaf`` stopped for a tool
-    (or spawned a subagent), else all think time (why: the module doc)."""
+    (or spawned a subagent), else all think time (why: the module doc). A tool is there whether or not
+    a next call is (its duration is then unknown): the client knows it runs one, not what follows."""
+    tool_class = "subagent" if leaf.spawns else "tool" if leaf.tool_use else None
     if nxt is None:
-        return None, 0.0
+        return (None if tool_class is None else ToolCall(tool_class=tool_class, duration_s=None)), 0.0
     gap = max(0.0, nxt.t - leaf.t - leaf.api_s)  # 0 when rounding of t makes the next call look early
-    if leaf.spawns:
-        return ToolCall(tool_class="subagent", duration_s=gap), 0.0
-    if leaf.tool_use:
-        return ToolCall(tool_class="tool", duration_s=gap), 0.0
+    if tool_class is not None:
+        return ToolCall(tool_class=tool_class, duration_s=gap), 0.0
     return None, gap
 
 
@@ -424,14 +431,12 @@ class _Row:
 
 def import_mooncake(source, *, block_size: int = 512, block_tokens: int | None = None,
                     tenant: str = "default", max_gap_s: float = 600.0, min_shared_blocks: int = 1,
-                    prefill_s_per_token: float = 1e-4, decode_s_per_token: float = 0.02,
-                    close_sessions: bool = True, name: str = "mooncake") -> Trace:
+                    name: str = "mooncake") -> Trace:
     """Import Mooncake rows (a ``.jsonl`` path or an iterable of dicts), grouping them into sessions.
 
     Rows are numbered from 0 in source order (in a file: the 0-based line). Times become seconds from
-    the first row. A call's modelled service time is ``prefill_s_per_token * input_length +
-    decode_s_per_token * output_length``; the rest of the gap to its session's next call is a tool
-    call (class ``inferred``). With ``close_sessions`` each session's last call closes it.
+    the first row. No row carries a tool call or a close (see the module doc): a client cannot know
+    whether its session goes on.
     """
     where = str(source) if isinstance(source, (str, Path)) else "<rows>"
     rows = sorted(_mooncake_rows(source), key=lambda r: (r.t_ms, r.index))
@@ -441,17 +446,11 @@ def import_mooncake(source, *, block_size: int = 512, block_tokens: int | None =
     blocks = _Blocks(block_size, block_tokens or block_size)
     namespace, t0, out = _key("mooncake"), rows[0].t_ms, _Records()
     for session, members in sessions.items():
-        for k, row in enumerate(members):
-            tool = None
-            if k + 1 < len(members):
-                service = prefill_s_per_token * row.input_tokens + decode_s_per_token * row.output_tokens
-                gap = (members[k + 1].t_ms - row.t_ms) / 1000.0 - service
-                tool = ToolCall(tool_class="inferred", duration_s=max(0.0, gap))
+        for row in members:
             out.add(Request(
                 id=f"r{row.index}", t=(row.t_ms - t0) / 1000.0, tenant=tenant, session=session,
                 blocks=blocks.convert(row.hash_ids, row.input_tokens, namespace),
-                input_tokens=row.input_tokens, output_tokens=row.output_tokens, tool=tool,
-                close=close_sessions and k == len(members) - 1), order=row.index)
+                input_tokens=row.input_tokens, output_tokens=row.output_tokens), order=row.index)
     src = {"importer": "mooncake", "file": where, "rows": len(rows), "sessions": len(sessions),
            "source_block_size": block_size, "max_gap_s": max_gap_s, "min_shared_blocks": min_shared_blocks,
            "hash_fixups": blocks.fixups}

@@ -25,7 +25,6 @@ nothing; the returned traces are immutable and may be shared.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -116,9 +115,10 @@ def summary_table(traces: Mapping[str, Trace]) -> str:
              "| mean input tokens | ideal reuse |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, trace in traces.items():
         s = trace_stats(trace)
-        tools = s["tools"].get("all", {"p50_s": math.nan, "p99_s": math.nan})
+        tools = s["tools"].get("all")
+        p50, p99 = (f"{tools['p50_s']:.1f}", f"{tools['p99_s']:.0f}") if tools else ("-", "-")
         lines.append(f"| `{name}` | {s['requests']:,} | {s['sessions']:,} | {s['branches']:,} ({s['forks']}) "
-                     f"| {s['tool_calls']:,} | {tools['p50_s']:.1f} | {tools['p99_s']:.0f} "
+                     f"| {s['tool_calls']:,} | {p50} | {p99} "
                      f"| {s['mean_input_tokens']:,.0f} | {s['ideal_reuse']:.3f} |")
     return "\n".join(lines)
 

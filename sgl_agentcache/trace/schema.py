@@ -46,10 +46,11 @@ class TraceError(ValueError):
 
 
 class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A tool the branch ran after a model call, before its next call."""
+    """A tool the branch ran after a model call, before its next call. ``duration_s`` is None when the
+    trace ends before the tool returns (the client knew it ran a tool, not how long it would take)."""
 
     tool_class: _Id
-    duration_s: _Seconds
+    duration_s: _Seconds | None
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="request"):

@@ -83,7 +83,7 @@ def trace_stats(trace: Trace) -> dict:
     events = Counter(r.kind for r in trace.records if isinstance(r, Event))
     tools: dict[str, list[float]] = defaultdict(list)
     for r in requests:
-        if r.tool is not None:
+        if r.tool is not None and r.tool.duration_s is not None:  # None: the trace ended during the tool
             tools[r.tool.tool_class].append(r.tool.duration_s)
     input_tokens = sum(r.input_tokens for r in requests)
     reused = sum(_reused_tokens(requests, trace.header.block_tokens))
@@ -102,7 +102,7 @@ def trace_stats(trace: Trace) -> dict:
         "close_session_events": events["close_session"],
         "aborts": events["abort"],
         "edits": sum(r.edit_from_tokens is not None for r in requests),
-        "tool_calls": sum(len(v) for v in tools.values()),
+        "tool_calls": sum(r.tool is not None for r in requests),  # with or without a known duration
         "tools": {"all": _durations([d for v in tools.values() for d in v])} | {
             name: _durations(v) for name, v in sorted(tools.items())} if tools else {},
         "think_s_total": sum(r.think_s for r in requests),
