@@ -40,6 +40,7 @@ import zlib
 from array import array
 from collections import deque
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import msgspec
 
@@ -55,7 +56,7 @@ from sgl_agentcache.sim.policies import POLICIES, Future, PauseView, ReplayPolic
 from sgl_agentcache.sim.stepgraph import StepGraph
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids
 
-__all__ = ["POLICIES", "ReplayResult", "TraceFuture", "replay"]
+__all__ = ["POLICIES", "CallRecord", "ReplayResult", "TraceFuture", "replay"]
 
 #: KVFlow's ``load_ahead_step`` and ``evict_pri_level`` (hold_step) defaults.
 KVFLOW_LOAD_AHEAD_STEPS = 2
@@ -80,6 +81,16 @@ def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
+class CallRecord(NamedTuple):
+    """One call as a system served it."""
+
+    start_s: float  # when it was admitted
+    cached_tokens: int  # its prompt's tokens it did not compute
+    ttft_s: float  # from its trace arrival to its first token (restore and prefill included)
+    own_wait_s: float  # from when the server received it to its admission
+    resumed: bool  # its branch's previous call stopped for a tool
+
+
 @dataclass
 class ReplayResult:
     policy: str
@@ -100,10 +111,9 @@ class ReplayResult:
     own_waits_s: list[float] = field(default_factory=list, repr=False)  # every call: start - received
     resume_own_waits_s: list[float] = field(default_factory=list, repr=False)
     admission_refusals: int = 0  # admission attempts refused for room (the call waits and tries again)
-    # Per session: its last answer - its first call's trace arrival (its JCT here), and its trace's own
-    # span (last arrival - first): the JCT a system with no wait at all comes closest to.
-    session_jct_s: list[float] = field(default_factory=list, repr=False)
-    session_span_s: list[float] = field(default_factory=list, repr=False)
+    # (tenant, session) -> (its JCT here: last answer - first call's trace arrival, its trace's own span:
+    # last arrival - first, the JCT a system with no wait at all comes closest to).
+    sessions: dict = field(default_factory=dict, repr=False)
     # From a close (or abort) event to the moment the branch's KV is reclaimed, for the policies that
     # reclaim on close; a close waits for the branch's calls that came before it.
     reclaim_latencies_s: list[float] = field(default_factory=list, repr=False)
@@ -125,12 +135,20 @@ class ReplayResult:
     # The order the cache saw calls start ("a") and finish ("f"), by request id: what the LP lower
     # bound is computed on (sim/bound.py).
     access_log: list = field(default_factory=list, repr=False)
-    # Each call as the cache served it: request id -> (when it started, tokens it hit). What the
-    # non-clairvoyance test compares call by call (tests/test_replay.py).
+    # Each call as the cache served it: request id -> :class:`CallRecord`. What the non-clairvoyance
+    # test compares call by call (tests/test_replay.py) and the real-session study reads per session.
     calls: dict = field(default_factory=dict, repr=False)
     completion_s: float = 0.0  # when the last call finished (the trace's makespan under this system)
     inference: dict = field(default_factory=dict)  # ours, inferred: what the chat inference decided
     wall_s: float = 0.0
+
+    @property
+    def session_jct_s(self) -> list[float]:
+        return [jct for jct, _ in self.sessions.values()]
+
+    @property
+    def session_span_s(self) -> list[float]:
+        return [span for _, span in self.sessions.values()]
 
     @property
     def hit_rate(self) -> float:
@@ -141,7 +159,7 @@ class ReplayResult:
 
     def to_dict(self) -> dict:
         skip = ("resume_latencies_s", "resume_queue_s", "reclaim_latencies_s", "access_log", "timeline", "calls",
-                "own_waits_s", "resume_own_waits_s", "session_jct_s", "session_span_s")
+                "own_waits_s", "resume_own_waits_s", "sessions")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["timeline"] = list(self.timeline)
         return out | {"hit_rate": self.hit_rate, "resume_s": self.resume_quantiles(),
@@ -397,7 +415,6 @@ class _Run:
             restored = self.restored_so_far() - restored_before + self.restore_marks.pop(request.id, 0)
         r = self.result
         r.access_log.append(("a", request.id))
-        r.calls[request.id] = (now, req.cached_tokens)
         r.requests += 1
         r.input_tokens += request.input_tokens
         r.cached_tokens += req.cached_tokens
@@ -412,6 +429,7 @@ class _Run:
         own = now - self.received_at.pop(request.id, arrived)
         r.own_waits_s.append(own)
         previous = self.after_tool.get(request.id)
+        r.calls[request.id] = CallRecord(now, req.cached_tokens, now - arrived + service, own, previous is not None)
         if previous is not None:
             r.resume_latencies_s.append(now - arrived + service)
             r.resume_queue_s.append(now - arrived)
@@ -833,9 +851,7 @@ class _Run:
 
     def finish(self) -> ReplayResult:
         r = self.result
-        for first, last, answered in self.session_times.values():
-            r.session_jct_s.append(answered - first)
-            r.session_span_s.append(last - first)
+        r.sessions = {key: (answered - first, last - first) for key, (first, last, answered) in self.session_times.items()}
         report = self.driver.check()
         r.integrity_ok = report.ok
         r.tenant_hit_rates = {t: c / max(n, 1) for t, (c, n) in sorted(self.tenant_tokens.items())}
