@@ -353,7 +353,7 @@ def summarise(rep: Replayer, wall_s: float, log: dict, stats: dict | None, stats
            "resume_ttft_s": _quantiles(resume_ttft),
            "ttft_s": _quantiles([r["ttft_s"] for r in served if r["ttft_s"] is not None]),
            "jct_s": round(max((r["done_s"] for r in rows), default=0.0), 3),
-           "wall_s": round(wall_s, 1), "pause_decisions": dict(sorted(rep.pauses.items())),
+           "wall_s": round(wall_s, 1), "pause_decisions": dict(sorted(rep.pauses.items())), "extra_pause_decisions": 0,
            "control_errors": len(rep.control_errors), "control_error_samples": rep.control_errors[:5],
            "server_log": log, "resume_latencies_s": sorted(resumes)}
     out["hit_rate"] = round(out["cached_tokens"] / max(out["input_tokens"], 1), 4)
@@ -361,6 +361,11 @@ def summarise(rep: Replayer, wall_s: float, log: dict, stats: dict | None, stats
         out["agentcache"] = stats  # cumulative over the server's passes so far
         if not rep.pauses:  # hint pauses: the server decided them; count this pass's
             out["pause_decisions"] = _hint_pause_decisions(stats, stats_before)
+            # Decisions no call's tool made: the idle sweep's (a branch idle past its namespace's usual
+            # gap, on the server's clock) and a paused lead's re-pricing when a subagent starts.
+            coordinator = lambda s: (s or {}).get("stats", {}).get("coordinator", {})  # noqa: E731
+            out["extra_pause_decisions"] = sum(coordinator(stats).get(k, 0) - coordinator(stats_before).get(k, 0)
+                                               for k in ("idle_pauses", "join_repriced"))
     return out
 
 
@@ -387,7 +392,7 @@ def _flush(server: CpuServer) -> None:
 
 #: Per-pass figures kept for every pass (the median pass keeps its full summary and rows).
 PASS_FIELDS = ("computed_tokens", "cached_tokens", "failures", "resume_computed_tokens", "resume_latency_s",
-               "resume_ttft_s", "jct_s", "wall_s", "pause_decisions")
+               "resume_ttft_s", "jct_s", "wall_s", "pause_decisions", "extra_pause_decisions")
 
 
 def host_tokens(cfg: dict) -> int:

@@ -91,7 +91,9 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     ours = result["backends"]["agentcache"]
     assert ours["control_errors"] == 0, ours["control_error_samples"]
     for p in ours["passes"]:  # every pause of every pass decided, and the tree clean after each pass
-        assert sum(p["pause_decisions"].values()) == stats["tool_calls"] and p["check_ok"] is True, p
+        # (besides the idle sweep's and re-pricings, which the server's clock and pace decide)
+        assert sum(p["pause_decisions"].values()) - p["extra_pause_decisions"] == stats["tool_calls"], p
+        assert p["check_ok"] is True, p
     assert result["backends"]["stock"]["pause_decisions"] == {}  # stock never sees our routes
     hicache = result["backends"]["hicache"]  # no hints: no pause, no branch; only the node spill
     assert hicache["pause_decisions"] == {} and hicache["control_errors"] == 0
