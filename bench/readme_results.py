@@ -185,7 +185,8 @@ def _sessions(body: dict) -> list[str]:
     n = len({r["session"] for r in body["rows"]})
     out = [f"Real sessions (`bench/real_sessions.py`; {n} Claude Code sessions of the kv-cache-tester corpus, "
            f"one of two identical files left out, in {len(body['groups'])} groups of up to {cfg['group_size']} "
-           f"sharing a {cfg['pressure']} pool, tokens scaled 1/{cfg['token_scale']}, profile `{body['profile']['name']}`; "
+           f"sharing a {cfg['pressure']} pool, tokens scaled 1/{cfg['token_scale']}, "
+           f"profile `{body['profile']['name']}`; "
            "every system of a row has the same device pool and host bytes): the mean of per-session ratios "
            "with a 95% t interval over sessions; a verdict needs that interval and a bootstrap over whole "
            "groups to exclude 1. Resume TTFT counts from the call's trace arrival (modelled times).", ""]

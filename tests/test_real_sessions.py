@@ -39,8 +39,8 @@ def test_per_session_figures_add_up_to_the_run():
 
     trace = group_trace(("trace_0019", "trace_0021", "trace_0074"), 64)
     pool = pool_for(trace, "tight")
-    result = replay(trace, "agentcache", pool_tokens=pool, host_tokens=pool, profile=scaled_profile(PROFILES["seed"], 64),
-                    vocab_size=REPLAY_VOCAB)
+    result = replay(trace, "agentcache", pool_tokens=pool, host_tokens=pool,
+                    profile=scaled_profile(PROFILES["seed"], 64), vocab_size=REPLAY_VOCAB)
     rows = session_rows(result, trace, 0, 1.0)
     assert len(rows) == 3 and sum(r["calls"] for r in rows) == result.requests
     assert sum(r["recomputed_tokens"] for r in rows) == result.recomputed_tokens

@@ -851,7 +851,8 @@ class _Run:
 
     def finish(self) -> ReplayResult:
         r = self.result
-        r.sessions = {key: (answered - first, last - first) for key, (first, last, answered) in self.session_times.items()}
+        r.sessions = {key: (answered - first, last - first)
+                      for key, (first, last, answered) in self.session_times.items()}
         report = self.driver.check()
         r.integrity_ok = report.ok
         r.tenant_hit_rates = {t: c / max(n, 1) for t, (c, n) in sorted(self.tenant_tokens.items())}

@@ -8,8 +8,8 @@ Steps to execution of a branch: 0 while one of its calls runs; a branch stopped 
 next (1); a lead whose call spawned workers waits for them all (an AND join: ``1 +`` the largest steps
 of its workers still open); a branch whose first call is waiting runs next (1); a branch that ended
 (closed or aborted), or that answered without a tool (it waits on someone the server cannot see: the
-user) gets the cap (evicted first), as does one never seen. A lead's workers are the forks of its branch whose first call arrived after its last call
-finished (the call that spawned them).
+user) gets the cap (evicted first), as does one never seen. A lead's workers are the forks of its
+branch whose first call arrived after its last call finished (the call that spawned them).
 """
 
 from __future__ import annotations
