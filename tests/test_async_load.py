@@ -24,7 +24,7 @@ from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.server.admission import _around_add_one_req
 from sgl_agentcache.server.async_load import ASYNC_LOAD_ENV, MAX_WAIT_STEPS, async_load_wanted
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_ENV
-from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+from sgl_agentcache.server.offline import OfflineDriver, OfflineOutOfMemory, build_offline_cache
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -74,11 +74,19 @@ class Run:
             self.turn(prompt, f"s{k}", stamp=1000 * k)
         assert self.resident(PROMPTS[0]) < 300 and self.cache.spill.tokens > 0
 
+    def queue(self, rid, prompt, session):
+        # The budget reserves what it decodes (one token here).
+        return self.driver.queue(rid, prompt, kv_hints=self.hint(session), max_new_tokens=1)
+
+    def step(self, req) -> None:
+        """One scheduler step for a queued ``req`` (its host copies come back if it passes the budget)."""
+        self.driver.admission_step(req)
+
     def queued_return(self):
-        """s0 comes back: queued, then matched once (the admission match that issues its load)."""
-        req = self.driver.queue(f"back{self.n}", PROMPTS[0] + ids(99, 20), kv_hints=self.hint("s0"))
-        with self.driver.activated():
-            req.init_next_round_input(self.cache)
+        """s0 comes back: queued, then one scheduler step: its admission match notes its host copy and
+        the plugin's hook, on a real PrefillAdder, issues the copy's load (the request passes the budget)."""
+        req = self.queue(f"back{self.n}", PROMPTS[0] + ids(99, 20), "s0")
+        self.step(req)
         return req
 
     def resident(self, prompt) -> int:
@@ -161,7 +169,7 @@ def test_a_request_continuing_into_another_requests_load_waits_a_step_and_hits_i
     first = run.queued_return()
     loads = run.cache.loads
     assert loads.pending(first.rid)
-    second = run.driver.queue("sibling", PROMPTS[0] + ids(98, 20), kv_hints=run.hint("s7"))
+    second = run.queue("sibling", PROMPTS[0] + ids(98, 20), "s7")
     with run.driver.activated():
         second.init_next_round_input(run.cache)
     assert loads.waiting == {second.rid: 1} and not loads.pending(second.rid) and second.prefix_len < 300
@@ -183,8 +191,8 @@ def test_a_waiter_whose_loader_left_loads_for_itself_and_a_waiter_never_waits_fo
     run.fill()
     first = run.queued_return()
     loads = run.cache.loads
-    second = run.driver.queue("sibling", PROMPTS[0] + ids(98, 20), kv_hints=run.hint("s7"))
-    third = run.driver.queue("cousin", PROMPTS[0] + ids(97, 20), kv_hints=run.hint("s8"))
+    second = run.queue("sibling", PROMPTS[0] + ids(98, 20), "s7")
+    third = run.queue("cousin", PROMPTS[0] + ids(97, 20), "s8")
     with run.driver.activated():
         for _ in range(MAX_WAIT_STEPS):  # the loader is never matched again (a full batch, say)
             third.init_next_round_input(run.cache)
@@ -196,7 +204,7 @@ def test_a_waiter_whose_loader_left_loads_for_itself_and_a_waiter_never_waits_fo
         assert second.rid in loads.waiting
     run.abort_queued(first)  # the loader leaves: its load goes, the entries are free to load again
     with run.driver.activated():
-        second.init_next_round_input(run.cache)  # issues its own load
+        run.step(second)  # its match notes the host copy; the hook issues its own load
         assert loads.pending(second.rid) and second.rid not in loads.waiting
         second.init_next_round_input(run.cache)
     assert second.prefix_len >= 290
@@ -204,6 +212,47 @@ def test_a_waiter_whose_loader_left_loads_for_itself_and_a_waiter_never_waits_fo
         run.abort_queued(req)
     run.assert_clean()
     assert not loads.waiting
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_request_refused_by_the_prefill_budget_moves_and_evicts_nothing(monkeypatch, asynchronous):
+    """SGLang loads a HiCache host hit only after the request passed the prefill budget counting
+    those tokens as new (PrefillAdder.add_one_req): a request that will not be admitted this step must
+    not copy its host entries back, evicting others for them. Here it decodes more than the pool."""
+    run = Run(monkeypatch, asynchronous=asynchronous)
+    run.fill()
+    req = run.queue("greedy", PROMPTS[0] + ids(99, 20), "s0")
+    req.sampling_params.max_new_tokens = 2000  # > the 1024-token pool
+    allocator, spill = run.cache.token_to_kv_pool_allocator, run.cache.spill
+    before = (allocator.available_size(), run.cache.evictable_size(), spill.tokens, spill.counters["loaded_tokens"])
+    run.step(req)
+    assert run.cache.host_loads_refused == 1 and not run.cache.loads.pending(req.rid)
+    assert (allocator.available_size(), run.cache.evictable_size(), spill.tokens,
+            spill.counters["loaded_tokens"]) == before
+    assert req.prefix_len < 300  # as it stood: the real add_one_req then refuses it (NO_TOKEN)
+    req.sampling_params.max_new_tokens = 1  # it fits now: the next step loads its host copy
+    run.step(req)
+    run.step(req)  # (asynchronous: the copy lands at the next match)
+    assert req.prefix_len >= 290 and run.cache.host_loads_refused == 1
+    run.abort_queued(req)
+    run.assert_clean()
+
+
+def test_the_replay_scheduler_refuses_before_loading(monkeypatch):
+    """The replay's admission (OfflineDriver.admit with a budget) checks the budget before a host hit
+    comes back: a refusal raises with nothing moved; admitted, the request hits its host copy."""
+    run = Run(monkeypatch, asynchronous=False)
+    run.fill()
+    allocator, spill = run.cache.token_to_kv_pool_allocator, run.cache.spill
+    before = (allocator.available_size(), run.cache.evictable_size(), spill.tokens)
+    with pytest.raises(OfflineOutOfMemory):
+        run.driver.admit("big", PROMPTS[0] + ids(99, 20), kv_hints=run.hint("s0"), budget=2000)
+    assert (allocator.available_size(), run.cache.evictable_size(), spill.tokens) == before
+    req = run.driver.admit("fits", PROMPTS[0] + ids(99, 20), kv_hints=run.hint("s0"), budget=1)
+    assert req.cached_tokens >= 290
+    run.driver.extend(req, [7])
+    run.driver.finish(req)
+    run.assert_clean()
 
 
 def test_a_load_that_took_memory_the_batch_was_admitted_against_gives_it_back(monkeypatch):

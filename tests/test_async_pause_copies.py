@@ -243,9 +243,8 @@ def paused_with_a_waiting_request(h: Harness, session: str = "s"):
     h.turn(session, prompt, [7, 8], stamp=700.0)
     h.pause(session, force=PauseAction.OFFLOAD)
     req = h.driver.queue("late", prompt + [7, 8] + ids(9, 10),
-                         kv_hints=lifecycle_envelope(hint(session), message_id="late"))
-    with h.driver.activated():
-        req.init_next_round_input(h.cache)
+                         kv_hints=lifecycle_envelope(hint(session), message_id="late"), max_new_tokens=4)
+    h.driver.admission_step(req)
     assert h.cache.loads.pending("late") and h.cache.loads.restoring == {branch(session): "late"}
     return req
 

@@ -472,7 +472,7 @@ def test_a_copy_hung_from_a_closed_siblings_prefix_is_still_restored():
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_arrives(async_load):
     """Admission (request arrival) marks the pause resuming and leaves the host copy; the copy comes
-    back, and the pause ends, when the scheduler matches the request for a batch. Restored at arrival,
+    back, and the pause ends, when the scheduler admits the request to a batch. Restored at arrival,
     it would sit unlocked while the request waits, in the pool the running batch evicts from.
     ``async_load``: that match issues the copy to a worker (the scheduler skips the request for the
     step, ``admission._around_add_one_req``) and the next match inserts it."""
@@ -500,6 +500,12 @@ def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_a
         assert h.cache.pauses.host.tokens_of(owner) == moved  # ...but the copy waits for the batch
         assert h.cache.tree_core.resident_owned_tokens(owner) == 0
         match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
+        # The admission match only notes the host copy; it comes back once the request passed the
+        # prefill budget (the plugin's add_one_req hook then matches it again, cleared).
+        assert match.device_prefix_len == STABLE and req.agentcache_host_pending
+        assert h.cache.pauses.host.tokens_of(owner) == moved and not h.cache.loads.pending("late")
+        with h.cache.host_loads_cleared(req):
+            match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
         if async_load:
             assert match.device_prefix_len == STABLE and h.cache.loads.pending("late")  # copy in flight
             assert h.cache.pauses.records[owner].resuming
@@ -530,14 +536,19 @@ def _waiting_request(h: Harness, rid: str, session: str, tokens: list[int]):
 
 def _match(h: Harness, req) -> int:
     """The scheduler's match of a waiting request (``init_next_round_input``): prefix tokens found.
-    A match that handed the request's restore to a worker is followed by the next step's match, which
-    finishes it (the scheduler skips the request in between)."""
+    A match that found host copies is run again as the plugin's ``add_one_req`` hook runs it once the
+    request passed the prefill budget (these requests always pass; the budget's own tests are in
+    test_async_load.py). A match that handed the request's restore to a worker is followed by the next
+    step's match, which finishes it (the scheduler skips the request in between)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     with h.driver.activated():
         key = RadixKey(req.origin_input_ids)
         found = h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
+        if req.agentcache_host_pending:
+            with h.cache.host_loads_cleared(req):
+                found = h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
         if h.cache.loads.pending(req.rid):
             found = h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
         return found
@@ -831,12 +842,11 @@ def test_forks_matched_in_one_step_share_one_worker_restore_of_their_paused_lead
     def fork(name: str, seed: int):
         envelope = lifecycle_envelope(hint("p", name, parent_branch="main", fork_point_tokens=len(lead)),
                                       message_id=name)
-        return h.driver.queue(name, lead + ids(seed, 50), kv_hints=envelope)
+        return h.driver.queue(name, lead + ids(seed, 50), kv_hints=envelope, max_new_tokens=4)
 
     first, second = fork("wa", 11), fork("wb", 12)
-    with h.driver.activated():
-        first.init_next_round_input(h.cache)
-        second.init_next_round_input(h.cache)
+    h.driver.admission_step(first)
+    h.driver.admission_step(second)
     assert loads.pending("wa") and loads.waiting == {"wb": 1} and loads.copying_back(BranchKey(NS, "p", "main"))
     with h.driver.activated():  # the next step: the copy lands for the first, the second hits it
         first.init_next_round_input(h.cache)

@@ -17,7 +17,9 @@ host copies must come back only at the match that admits it (``Req.init_next_rou
 ``Scheduler.get_new_batch_prefill``, right before ``PrefillAdder.add_one_req``), not once per step
 for every request that keeps waiting.
 
-An AROUND hook on ``PrefillAdder.add_one_req`` skips, for one step, a request whose spilled KV is
+An AROUND hook on ``PrefillAdder.add_one_req`` loads a request's host copies back only once it
+passes the prefill budget counting them as new tokens (SGLang's rule for a HiCache host hit): the
+admission match only notes them, and a refused request moves and evicts nothing. It also skips, for one step, a request whose spilled KV is
 being loaded back by a worker thread (``server/async_load.py``), or that continues into what another
 request's load is bringing back: it returns ``CONTINUE`` without adding it, so the scheduler goes on
 with the rest of the queue and matches it again next step. It also skips a hinted request whose
@@ -92,9 +94,39 @@ def _computes_my_stable_prefix(adder, req) -> bool:
     return False
 
 
+def _passes_budget_recomputing(adder, req) -> bool:
+    """Whether ``req`` passes ``PrefillAdder.add_one_req``'s prefill budget with everything past its
+    device match counted as new tokens -- SGLang's condition for loading a HiCache host hit, whose
+    tokens need device slots as a recompute does (``_select_prefill_admission`` under ``_lock_node``,
+    then ``init_load_back``). Nothing is allocated or evicted here."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    if (limit := adder.prefill_max_requests) is not None and len(adder.can_run_list) >= limit:
+        return False
+    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    total = (len(req.full_untruncated_fill_ids) - req.prefix_len + max_new + adder.per_req_token_overhead
+             + adder._mamba_gap_budget_for_req(req, include_host_hit=True) + adder._request_slot_reserve_for_req(req))
+    with adder._lock_node(req.last_node):
+        return total < adder.rem_total_tokens
+
+
+def load_host_copies_if_admissible(adder, req, cache) -> None:
+    """The admission match found host copies for ``req`` (``agentcache_host_pending``): load them
+    only if the request passes the budget counting them as new (then its admission match runs again,
+    and they come back); else it is refused below as it stands, having moved and evicted nothing."""
+    if _passes_budget_recomputing(adder, req):
+        with cache.host_loads_cleared(req):
+            req.init_next_round_input(cache)
+    else:
+        req.agentcache_host_pending = False
+        cache.host_loads_refused += 1
+
+
 def _around_add_one_req(original, adder, req, *args, **kwargs):
     cache = getattr(adder, "tree_cache", None)
     loads = getattr(cache, "loads", None)
+    if loads is not None and getattr(req, "agentcache_host_pending", False):
+        load_host_copies_if_admissible(adder, req, cache)
     if loads is not None and loads.waiting and req.rid in loads.waiting:
         # It continues into what another request's load is bringing back (server/async_load.py): it
         # holds no slots; skipped this step, it hits those tokens at its next match.

@@ -113,6 +113,8 @@ class AgentRadixCache(UnifiedRadixCache):
         # see ranking_matches): no restore or load-back runs for those matches.
         self.ranking = False
         self.ranking_deferred = 0  # ranking matches that left a request's pending restores alone
+        self.clearing = None  # the request whose admission match may load host copies (host_loads_cleared)
+        self.host_loads_refused = 0  # admissions refused by the budget before their host copies moved
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: NamespacedLRU[BranchKey, int] = NamespacedLRU(self.closed.limit, self.closed.namespace_limit)
         self.freed_on_close_tokens = 0
@@ -290,6 +292,13 @@ class AgentRadixCache(UnifiedRadixCache):
         unlocked, in the pool the running batch evicts from. They run at the admission match (the
         scheduler's ``init_next_round_input`` right before the ``PrefillAdder`` takes the request).
 
+        Host copies come back only once the request passed the prefill budget, as SGLang's HiCache
+        loads a host hit in ``PrefillAdder.add_one_req`` after ``_select_prefill_admission``: the
+        admission match only notes that the request has something on host (``agentcache_host_pending``);
+        the ``add_one_req`` hook (``server/admission.py``; the replay's ``OfflineScheduler``) checks the
+        budget and, if it passes, matches again inside :meth:`host_loads_cleared`, where they load. A
+        refused admission moves nothing and evicts nothing.
+
         A restore or load-back that fails in any way leaves the request to recompute: its failure is
         logged and counted, never raised to the scheduler (which would die with every request)."""
         req = params.req
@@ -301,7 +310,12 @@ class AgentRadixCache(UnifiedRadixCache):
             return super().match_prefix(params)
         restores = getattr(req, "agentcache_restores", None)
         loads = self.loads
-        waited = loads.take_waited(req.rid)
+        cleared = self.clearing is req
+        # The steps it waited on another's copy, read once per scheduler step (the cleared match that
+        # follows in the same step reuses them).
+        waited = getattr(req, "agentcache_waited", 0) if cleared else loads.take_waited(req.rid)
+        req.agentcache_waited = waited
+        req.agentcache_host_pending = False
         if loads.pending(req.rid):  # a copy issued at its previous admission match: insert it first
             try:
                 loads.finish(req.rid)
@@ -311,6 +325,12 @@ class AgentRadixCache(UnifiedRadixCache):
                 loads.cancel(req.rid, "unfinished")  # what it left in flight goes (else the request waits on it)
             if restores is None:
                 return super().match_prefix(params)
+        if restores is not None and not cleared:
+            if (restores[0] is not None and loads.copying_back(restores[0])
+                    and loads.wait_for_other(req.rid, waited)):
+                return super().match_prefix(params)  # its paused parent is being copied back for a sibling
+            req.agentcache_host_pending = True  # its copies come back once it passed the budget
+            return super().match_prefix(params)
         if restores is not None:  # what found no room stays pending for the request's next match
             try:
                 req.agentcache_restores = restores = self.pauses.restore_for_request(*restores, rid=req.rid)
@@ -329,10 +349,15 @@ class AgentRadixCache(UnifiedRadixCache):
         if spill.lru and result.device_prefix_len < len(params.key):
             try:
                 last = self.tree_core.node_by_id(result.last_device_node)
+                if (loads.enabled and spill.loading
+                        and spill.continues_into_loading(params.key, last, result.device_prefix_len)
+                        and loads.wait_for_other(req.rid, waited)):
+                    return result  # another request's load brings those tokens: skipped, hits them next step
+                if not cleared:
+                    if spill.has_chain(params.key, last, result.device_prefix_len):
+                        req.agentcache_host_pending = True  # loaded once it passed the budget
+                    return result
                 if loads.enabled:  # the copy runs on the worker; the scheduler skips the request this step
-                    if (spill.loading and spill.continues_into_loading(params.key, last, result.device_prefix_len)
-                            and loads.wait_for_other(req.rid, waited)):
-                        return result  # another request's load brings those tokens: skipped, hits them next step
                     loads.issue(req.rid, params.key, last, result.device_prefix_len)
                     return result
                 loaded = spill.load_back(params.key, last, result.device_prefix_len)
@@ -350,6 +375,18 @@ class AgentRadixCache(UnifiedRadixCache):
         if any, goes."""
         super().release_aborted_request(request)
         self.loads.cancel(request.rid)
+
+    @contextmanager
+    def host_loads_cleared(self, req):
+        """Inside this block ``req``'s admission match brings its host copies back (restores of its
+        paused branches, spilled nodes that continue it): the caller checked that the request passes
+        the prefill budget counting those tokens as new (SGLang's rule for a HiCache host hit)."""
+        req.agentcache_host_pending = False
+        outer, self.clearing = self.clearing, req
+        try:
+            yield self
+        finally:
+            self.clearing = outer
 
     @contextmanager
     def ranking_matches(self):
@@ -839,6 +876,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "async_loads": self.loads.stats(),
             "transfer_votes": dict(self.transfer_votes),
             "ranking_deferred_restores": self.ranking_deferred,
+            "host_loads_refused": self.host_loads_refused,
         }
 
     def namespace_stats(self, namespace: str) -> dict:

@@ -372,10 +372,12 @@ class OfflineDriver:
 
     def queue(self, rid: str, input_ids: Sequence[int], kv_hints: dict | Any | None = None,
               extra_key: str | None = None, cache_salt: str | None = None,
-              session_id: str | None = None) -> OfflineReq:
+              session_id: str | None = None, max_new_tokens: int = UNBOUNDED_NEW_TOKENS) -> OfflineReq:
         """The first half of :meth:`admit`: create the request as the scheduler does when it arrives
         (``Req(...)`` and the plugin's admission hook), without matching or allocating; it waits in the
-        queue until :meth:`admit_queued`. Meanwhile :meth:`rank` can rank it as the scheduler does."""
+        queue until :meth:`admit_queued`. Meanwhile :meth:`rank` can rank it as the scheduler does, and
+        :meth:`admission_step` match it as one scheduler step does. ``max_new_tokens`` is its sampling
+        parameter (what SGLang's prefill budget reserves for it; the driver itself feeds any output)."""
         with self.activated():
             if rid in self.live:
                 raise ValueError(f"request {rid!r} is already live")
@@ -386,7 +388,7 @@ class OfflineDriver:
                                  f"{self.req_to_token_pool.max_context_len}")
             envelope = decode_kv_hints_envelope(kv_hints) if kv_hints else None
             req = OfflineReq(
-                rid, "", array("q", input_ids), SamplingParams(max_new_tokens=UNBOUNDED_NEW_TOKENS),
+                rid, "", array("q", input_ids), SamplingParams(max_new_tokens=max_new_tokens),
                 kv_hints=envelope, extra_key=extra_key, cache_salt=cache_salt, session_id=session_id,
             )
             cache = self.cache
@@ -398,6 +400,25 @@ class OfflineDriver:
             if session_id is not None and cache.enable_session_radix_cache:
                 req.session_generation = cache.ensure_session_generation(session_id)
             return req
+
+    def prefill_adder(self):
+        """SGLang's ``PrefillAdder`` over this pool and tree, as ``get_new_batch_prefill`` builds it for
+        a step with no running batch (use it inside :meth:`activated`)."""
+        from sglang.srt.managers.schedule_policy import PrefillAdder
+
+        return PrefillAdder(self.page_size, self.cache, self.allocator, None, 0.0,
+                            rem_input_tokens=self.pool_tokens, rem_chunk_tokens=None)
+
+    def admission_step(self, req: OfflineReq) -> None:
+        """One scheduler step for a queued request, short of adding it to a batch: its admission match
+        (``init_next_round_input``), then what the plugin's hook on ``PrefillAdder.add_one_req`` does
+        first -- its host copies come back if it passes a real :meth:`prefill_adder`'s budget."""
+        from sgl_agentcache.server.admission import load_host_copies_if_admissible
+
+        with self.activated():
+            req.init_next_round_input(self.cache)
+            if getattr(req, "agentcache_host_pending", False):
+                load_host_copies_if_admissible(self.prefill_adder(), req, self.cache)
 
     def rank(self, waiting: Sequence[OfflineReq], policy: str = "lpm") -> list[OfflineReq]:
         """Rank queued requests as ``Scheduler.get_new_batch_prefill`` does at every step before it
@@ -416,35 +437,52 @@ class OfflineDriver:
 
     def admit_queued(self, req: OfflineReq, *, max_prefill_tokens: int | None = None,
                      budget: int | None = None) -> OfflineReq:
-        """The second half of :meth:`admit`: match, lock and allocate a :meth:`queue`d request."""
+        """The second half of :meth:`admit`: match, lock and allocate a :meth:`queue`d request.
+
+        With a ``budget``, a request that does not fit raises :class:`OfflineOutOfMemory` having moved
+        nothing: its host copies come back only once it passed the budget counting them as new tokens
+        (SGLang's HiCache loads a host hit in ``PrefillAdder.add_one_req`` after that check)."""
         with self.activated():
             if req.rid in self.live:
                 raise ValueError(f"request {req.rid!r} is already live")
             cache = self.cache
             # Scheduler.get_new_batch_prefill: match the prefix (match_kv_cache) ...
             req.init_next_round_input(cache)
-            loads = getattr(cache, "loads", None)  # the stock cache has none
-            for _ in range(MAX_WAIT_STEPS + 2):
-                if loads is None or not loads.holds_back(req.rid):
-                    break
-                # ... a load-back went to the worker (its own, or another queued request's that it
-                # continues into): the scheduler skips the request this step (PrefillAdder.add_one_req,
-                # the plugin's hook) and matches it again at the next.
-                cache.flush_pending_backups()
-                req.init_next_round_input(cache)
-            # ... PrefillAdder: pick the extend and pin the match (_commit_prefill_admission).
-            req.extend_end = self._chunk_end(req, max_prefill_tokens)
-            req.lock = cache.lock(req.last_node)
-            try:
-                if budget is not None:
-                    self._check_budget(req, budget)
-                self._alloc_for_extend(req)
-            except BaseException:
+            self._hold_back_while_loading(req)
+            for attempt in range(MAX_WAIT_STEPS + 2):
+                # ... PrefillAdder: pick the extend and pin the match (_commit_prefill_admission).
+                req.extend_end = self._chunk_end(req, max_prefill_tokens)
+                req.lock = cache.lock(req.last_node)
+                try:
+                    if budget is not None:
+                        self._check_budget(req, budget)
+                    if not getattr(req, "agentcache_host_pending", False) or attempt > MAX_WAIT_STEPS:
+                        self._alloc_for_extend(req)
+                        break
+                except BaseException:
+                    cache.unlock(req.lock)
+                    req.lock = None
+                    raise
+                # It passed the budget with its host copies counted as new: they come back (the plugin's
+                # hook on add_one_req, server/admission.py), and it is matched and checked again.
                 cache.unlock(req.lock)
                 req.lock = None
-                raise
+                with cache.host_loads_cleared(req):
+                    req.init_next_round_input(cache)
+                self._hold_back_while_loading(req)
             self.live[req.rid] = req
             return req
+
+    def _hold_back_while_loading(self, req: OfflineReq) -> None:
+        """While a load-back went to the worker (its own, or another queued request's that it continues
+        into), the scheduler skips the request (PrefillAdder.add_one_req, the plugin's hook) and
+        matches it again at the next step; here the copies land at once."""
+        loads = getattr(self.cache, "loads", None)  # the stock cache has none
+        for _ in range(MAX_WAIT_STEPS + 2):
+            if loads is None or not loads.holds_back(req.rid):
+                return
+            self.cache.flush_pending_backups()
+            req.init_next_round_input(self.cache)
 
     def checkpoint(self, req: OfflineReq) -> None:
         """Publish what the request has prefilled so far, ``[0, extend_end)`` (SGLang's

@@ -374,6 +374,14 @@ class SpillTier:
         self.counters["loaded_tokens"] += loaded
         return loaded
 
+    def has_chain(self, key: RadixKey, last_device_node, device_prefix_len: int) -> bool:
+        """Whether host entries continue ``key`` past its device match (what :meth:`prepare_load` would
+        load, found without allocating or evicting anything)."""
+        if not self.lru or device_prefix_len >= len(key):
+            return False
+        chain, _, _ = self._find_chain(key, last_device_node, device_prefix_len)
+        return bool(chain)
+
     def continues_into_loading(self, key: RadixKey, last_device_node, device_prefix_len: int) -> bool:
         """Whether what continues ``key`` past its device match starts with an entry an asynchronous load
         holds for another request (its slots are being filled; a step later it is on the device)."""

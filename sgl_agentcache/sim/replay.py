@@ -89,6 +89,7 @@ class CallRecord(NamedTuple):
     ttft_s: float  # from its trace arrival to its first token (restore and prefill included)
     own_wait_s: float  # from when the server received it to its admission
     resumed: bool  # its branch's previous call stopped for a tool
+    first_token_s: float  # when its first token came (admission, restore and prefill)
 
 
 @dataclass
@@ -429,7 +430,8 @@ class _Run:
         own = now - self.received_at.pop(request.id, arrived)
         r.own_waits_s.append(own)
         previous = self.after_tool.get(request.id)
-        r.calls[request.id] = CallRecord(now, req.cached_tokens, now - arrived + service, own, previous is not None)
+        r.calls[request.id] = CallRecord(now, req.cached_tokens, now - arrived + service, own, previous is not None,
+                                         now + service)
         if previous is not None:
             r.resume_latencies_s.append(now - arrived + service)
             r.resume_queue_s.append(now - arrived)
