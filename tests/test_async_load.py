@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
 from kv_stamps import path_kv, stamp_prompt_kv
 
 from sgl_agentcache.hints import lifecycle_envelope
-from sgl_agentcache.server.admission import _around_add_one_req
+from sgl_agentcache.server.admission import _after_on_idle, _around_add_one_req
 from sgl_agentcache.server.async_load import ASYNC_LOAD_ENV, MAX_WAIT_STEPS, async_load_wanted
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_ENV
 from sgl_agentcache.server.offline import OfflineDriver, OfflineOutOfMemory, build_offline_cache
@@ -269,6 +269,30 @@ def test_a_load_that_took_memory_the_batch_was_admitted_against_gives_it_back(mo
     assert len(added) == 1 and not run.cache.loads.pending(req.rid)
     assert run.cache.loads.counters["abandoned"]["no_room"] == 1
     assert run.cache.token_to_kv_pool_allocator.available_size() > free  # the slots came back
+    run.abort_queued(req)
+    run.assert_clean()
+
+
+def test_an_idle_scheduler_lands_a_load_whose_owner_the_step_never_reached(monkeypatch):
+    """The scheduler stops scanning its queue at the first request that does not fit: a load issued for
+    a request behind it is never finished at its owner's match, and its slots (neither free nor
+    evictable) can keep the request ahead from ever fitting. Seen behind the router: a worker's queue
+    stuck for minutes. The plugin's AFTER hook on Scheduler.on_idle lands it: its KV joins the tree,
+    evictable, and the owner's next match hits it."""
+    run = Run(monkeypatch, asynchronous=True)
+    run.fill()
+    req = run.queued_return()
+    loads, allocator = run.cache.loads, run.cache.token_to_kv_pool_allocator
+    held = loads.in_flight_tokens()
+    assert held >= 290 and loads.pending(req.rid)
+    evictable = run.cache.evictable_size()
+    scheduler = type("Scheduler", (), {"tree_cache": run.cache})()
+    with run.driver.activated():
+        assert _after_on_idle(None, scheduler) is None  # the scheduler found no batch this step
+    assert not loads.pending(req.rid) and loads.in_flight_tokens() == 0 and loads.counters["landed_idle"] == 1
+    assert run.cache.evictable_size() >= evictable + held  # the slots are the tree's now: evictable
+    run.step(req)  # its next admission match hits what the load brought
+    assert req.prefix_len >= 290
     run.abort_queued(req)
     run.assert_clean()
 

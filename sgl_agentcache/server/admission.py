@@ -19,10 +19,11 @@ for every request that keeps waiting.
 
 An AROUND hook on ``PrefillAdder.add_one_req`` loads a request's host copies back only once it
 passes the prefill budget counting them as new tokens (SGLang's rule for a HiCache host hit): the
-admission match only notes them, and a refused request moves and evicts nothing. It also skips, for one step, a request whose spilled KV is
-being loaded back by a worker thread (``server/async_load.py``), or that continues into what another
-request's load is bringing back: it returns ``CONTINUE`` without adding it, so the scheduler goes on
-with the rest of the queue and matches it again next step. It also skips a hinted request whose
+admission match only notes them, and a refused request moves and evicts nothing. It also skips, for
+one step, a request whose spilled KV is being loaded back by a worker thread
+(``server/async_load.py``), or that continues into what another request's load is bringing back: it
+returns ``CONTINUE`` without adding it, so the scheduler goes on with the rest of the queue and
+matches it again next step. It also skips a hinted request whose
 declared stable prefix (a system prompt and tool schema the harness says every session shares) is
 not cached yet while a request admitted in the same step computes it: sessions that start together
 would otherwise each prefill the same prompt in one batch; one computes it, the others hit it at the
@@ -33,7 +34,9 @@ Unhinted traffic is scheduled as stock SGLang schedules it.
 An AFTER hook on ``Scheduler.on_idle`` lands eager offloads and prefetches whose copy a worker made
 (``server/host_copies.py``, ``server/async_load.py``): with no batch there is no
 ``flush_pending_backups`` to land them, and an idle server would otherwise keep an offloaded suffix on
-the device (or a prefetch's slots unfilled) until the next request. Every TP
+the device (or a prefetch's slots unfilled) until the next request. It also lands requests' load-backs
+still in flight (``AsyncLoads.land_stranded``): an owner behind a request that does not fit is never
+matched, and its load's slots could keep that request from ever fitting. Every TP
 rank is idle at the same loop iteration (same messages, same batches), so they land at the same point.
 """
 
@@ -159,6 +162,9 @@ def _after_on_idle(result, scheduler, *args, **kwargs):
     copies = getattr(cache, "copies", None)
     if copies is not None and (copies.offloading or cache.loads.prefetches):  # a few reads per idle poll otherwise
         cache.pauses.land_copies()
+    loads = getattr(cache, "loads", None)
+    if loads is not None and loads.by_rid:  # loads whose owners the step never reached
+        loads.land_stranded()
     return result
 
 

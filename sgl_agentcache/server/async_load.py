@@ -114,7 +114,7 @@ class AsyncLoads:
                          "joined_running": 0, "abandoned": {"changed": 0, "no_room": 0, "aborted": 0, "unfinished": 0,
                                                       "reset": 0, "dropped": 0},
                          "restores_issued": 0, "restores_finished": 0, "prefetches_issued": 0,
-                         "prefetches_landed": 0, "waited_for_other": 0, "waits_given_up": 0}
+                         "prefetches_landed": 0, "waited_for_other": 0, "waits_given_up": 0, "landed_idle": 0}
 
     def pending(self, rid) -> bool:
         """Whether ``rid`` has a load in flight (the scheduler skips it until its next match)."""
@@ -225,6 +225,30 @@ class AsyncLoads:
         self.counters["finished"] += 1
         self.counters["loaded_tokens"] += loaded
         return loaded
+
+    def land_stranded(self) -> int:
+        """An idle scheduler (no batch this step): finish every request's load still in flight now, its
+        KV inserted into the tree (unlocked), instead of at its owner's next admission match. Returns
+        the tokens that became device-resident.
+
+        The scheduler reaches a waiting request only when every request ahead of it was skipped or
+        admitted; one ahead that does not fit ends the step. A load whose owner sits behind such a
+        request would keep its slots -- neither free nor evictable -- until that request fits, which
+        those slots can prevent: the queue then never moves (seen behind the router: a 2,048-token
+        pool with 876 slots held by one load, four requests waiting, the scheduler idle for minutes).
+        Landed, the slots are evictable and the owner's next match hits what they hold. Every TP rank
+        is idle at the same iteration (same messages, same batches), so they land at the same point;
+        the join waits for copies still running. A failure leaves the owner to recompute."""
+        landed = 0
+        for rid in list(self.by_rid):
+            try:
+                landed += self.finish(rid)
+            except Exception:  # noqa: BLE001 - never the scheduler's: the request recomputes
+                logger.exception("agentcache: landing the load-back of %s while idle failed; recomputing", rid)
+                self.cache.spill.counters["load_errors"] += 1
+                self.cancel(rid, "unfinished")
+            self.counters["landed_idle"] += 1
+        return landed
 
     def cancel(self, rid, reason: str = "aborted") -> None:
         """Drop ``rid``'s load (the request left the queue, or the tree was reset)."""
