@@ -30,13 +30,14 @@ demo-server: setup
 
 ## bench: regenerate the committed results under bench/results/ (replay suite: every system at equal
 ##        pool and host tier, 10 seeds, real traces; 38 real sessions with intervals over sessions; tree
-##        overhead; the real-server benchmark), then the
+##        overhead; the real-server benchmark; the replay against the server), then the
 ##        results blocks of README.md and bench/README.md. CPU only, 2 worker processes; see bench/README.md.
 bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --out bench/results/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/real_sessions.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/replay_vs_server.py
 	$(PY) bench/readme_results.py --write
 
 ## bench-quick: a smoke run of the same benchmarks (small traces, few seeds) into $(QUICK_OUT); commits nothing.

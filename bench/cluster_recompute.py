@@ -11,12 +11,21 @@ tier (1x the pool per worker):
   what a stock deployment uses to keep agent prefixes together), no host tier;
 - ``hicache-cache-aware``: the write-back host tier (``AGENTCACHE_HOST_SPILL=1``, no hints: stock LRU
   order, see server_recompute.py) behind ``cache_aware``;
+- ``stock-cache-aware-lpm``, ``hicache-cache-aware-lpm``: the same with SGLang's ``--schedule-policy lpm``
+  on the workers;
+- ``hicache-session``: the same write-back host tier, routed as ours is (the router's ``manual`` policy
+  with the session's routing key, no hint): the control that separates our cache from our routing;
+  ``hicache-session-lpm`` the same with SGLang's ``--schedule-policy lpm`` on its workers;
 - ``agentcache-no-host``: ours, hints on every call, **no** host tier, the router's ``manual`` policy
   with our routing key (every call of a session on one worker);
 - ``agentcache``: ours with the host tier and node spill, ``manual`` + routing key.
 
-Equal memory per comparison: ``agentcache`` is compared with ``hicache-cache-aware`` (same pools and
-host bytes), ``agentcache-no-host`` with both stock systems (same pools, no host tier anywhere).
+Every worker runs ``--schedule-policy fcfs`` unless its name ends in ``-lpm``. Equal memory per
+comparison: ``agentcache`` is compared with the write-back systems (same pools and host bytes),
+``agentcache-no-host`` with both stock systems (same pools, no host tier anywhere). Per worker the
+results give its pool, its host bytes, the calls it prefilled (its share) and its peak token usage,
+from its log. Systems run one after another (two workers and a router each: all at once would not
+fit this machine), so pass pairs share less than the single server's interleaved passes do.
 Hinted calls go through the router with ``gateway.gateway_headers`` (the routing key and the hint in
 ``tracestate``: the router drops ``kv_hints``); the trace's closes go to the workers through
 ``cluster.Cluster`` (the router does not proxy our routes). Same trace and clients as the single
@@ -28,7 +37,7 @@ Cross-check: the workers' logs' ``#new-token`` sums. Latency and JCT are real bu
 CPU machine where two workers and the router interleave: prefill tokens are the exact measure.
 
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/cluster_recompute.py [--quick] [--out DIR]``
-(default ``bench/results``; writes ``cluster_recompute.json``; about 15 minutes, ``--quick`` about 5).
+(default ``bench/results``; writes ``cluster_recompute.json``; about 30 minutes, ``--quick`` about 5).
 """
 
 from __future__ import annotations
@@ -55,17 +64,28 @@ from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
 from sgl_agentcache.trace.generators import generate  # noqa: E402
 
 WORKERS = 2
-#: name -> (radix-cache backend, hints and routes, host tier with node spill, router policy)
+#: name -> (radix-cache backend, hints and routes, host tier with node spill, router policy); ``manual``
+#: routes by the session's routing key (hinted systems send their hint with it, the others only the key).
 SYSTEMS = {
     "stock-round-robin": (None, False, False, "round_robin"),
     "stock-cache-aware": (None, False, False, "cache_aware"),
+    "stock-cache-aware-lpm": (None, False, False, "cache_aware"),
     "hicache-cache-aware": ("agentcache", False, True, "cache_aware"),
+    "hicache-cache-aware-lpm": ("agentcache", False, True, "cache_aware"),
+    "hicache-session": ("agentcache", False, True, "manual"),
+    "hicache-session-lpm": ("agentcache", False, True, "manual"),
     "agentcache-no-host": ("agentcache", True, False, "manual"),
     "agentcache": ("agentcache", True, True, "manual"),
 }
 #: (ours, theirs): the pairs with equal device pools and equal host bytes.
-COMPARISONS = (("agentcache", "hicache-cache-aware"), ("agentcache-no-host", "stock-round-robin"),
-               ("agentcache-no-host", "stock-cache-aware"))
+COMPARISONS = (("agentcache", "hicache-session"), ("agentcache", "hicache-session-lpm"),
+               ("agentcache", "hicache-cache-aware"), ("agentcache", "hicache-cache-aware-lpm"),
+               ("agentcache-no-host", "stock-round-robin"), ("agentcache-no-host", "stock-cache-aware"),
+               ("agentcache-no-host", "stock-cache-aware-lpm"))
+
+
+def schedule_policy(name: str) -> str:
+    return "lpm" if name.endswith("-lpm") else "fcfs"
 
 
 def _mode(name: str) -> dict:
@@ -89,11 +109,11 @@ class ClusterTarget:
         self.router, self.workers = router, workers
         self.cluster = Cluster([w.url for w in workers], timeout=120)
 
-    def stream_generate(self, body: dict, timeout: float = 300.0):
-        headers = {}
+    def stream_generate(self, body: dict, timeout: float = 300.0, headers: dict | None = None):
+        headers = dict(headers or {})  # an unhinted call routed by session brings its routing key
         if "kv_hints" in body:
             payload = next(a["payload"] for a in body["kv_hints"]["actions"] if a["action_type"] == ACTION_TYPE)
-            headers = gateway_headers(payload)
+            headers |= gateway_headers(payload)
             body = {k: v for k, v in body.items() if k != "kv_hints"}
         return stream_generate(self.router.url, body, timeout, headers)
 
@@ -139,8 +159,10 @@ def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple
     elif backend:
         env = {"AGENTCACHE_HOST_TOKENS": "0"}
     workers = [CpuServer(str(model.path), backend=backend, log_path=log_dir / f"{name}-w{i}.log",
-                         max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env)
+                         max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env,
+                         extra_args=("--schedule-policy", schedule_policy(name)))
                for i in range(WORKERS)]
+    per_worker = [[] for _ in workers]
     router = RouterProcess([w.url for w in workers], policy=policy, log_path=log_dir / f"{name}-router.log")
     runs = []
     _start_all(workers)
@@ -152,10 +174,13 @@ def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple
             if k:
                 single._flush(target)
             offsets = [w.log_path.stat().st_size for w in workers]
-            rep = single.Replayer(target, trace, plan, model.vocab_size, cfg, agent, tag=f".p{k}" if k else "")
+            rep = single.Replayer(target, trace, plan, model.vocab_size, cfg, agent, tag=f".p{k}" if k else "",
+                                  route_session=policy == "manual")
             wall = rep.run()
             logs = [single.log_counts(w.log_path, off) for w, off in zip(workers, offsets)]
-            log = {key: sum(entry[key] for entry in logs) for key in logs[0]}
+            for mine, entry in zip(per_worker, logs):
+                mine.append(entry)
+            log = {key: sum(entry[key] for entry in logs) for key in logs[0] if key != "peak_token_usage"}
             before, stats = stats, single._agentcache_stats(target) if backend else None
             runs.append((single.summarise(rep, wall, log, stats, before), rep))
             print(f"[cluster_recompute] {name} pass {k + 1}/{cfg['passes']}: "
@@ -166,10 +191,23 @@ def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple
             w.stop()
     order = sorted(range(len(runs)), key=lambda k: runs[k][0]["computed_tokens"])
     summary, rep = runs[order[(len(order) - 1) // 2]]
-    summary["passes"] = [{f: s[f] for f in single.PASS_FIELDS} for s, _ in runs]
+    summary["passes"] = [{f: s[f] for f in single.PASS_FIELDS if f in s} for s, _ in runs]
     summary |= {"pool_tokens_per_worker": cfg["pool_tokens"], "workers": WORKERS, "router_policy": policy,
-                "host_tokens_per_worker": single.host_tokens(cfg) if spill else 0}
+                "schedule_policy": schedule_policy(name),
+                "host_tokens_per_worker": single.host_tokens(cfg) if spill else 0,
+                "per_worker": [_worker_share(i, entries, per_worker, cfg, spill)
+                               for i, entries in enumerate(per_worker)]}
     return summary, [[rep.rows[i].get(c) for c in single.ROW_COLUMNS] for i in sorted(rep.rows)]
+
+
+def _worker_share(i: int, entries: list[dict], all_workers: list[list[dict]], cfg: dict, spill: bool) -> dict:
+    """Worker ``i`` over every pass: its memory, the share of calls it prefilled (from its log's
+    ``#new-seq``), and its peak token usage in any pass."""
+    calls = sum(e["prefill_requests"] for e in entries)
+    everyone = sum(e["prefill_requests"] for w in all_workers for e in w)
+    return {"worker": i, "pool_tokens": cfg["pool_tokens"], "host_tokens": single.host_tokens(cfg) if spill else 0,
+            "prefilled_calls": calls, "share_of_calls": round(calls / max(everyone, 1), 3),
+            "peak_token_usage": max((e["peak_token_usage"] for e in entries), default=0.0)}
 
 
 def compare(systems: dict) -> dict:
@@ -178,10 +216,11 @@ def compare(systems: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print("\nsystem                  prefill computed   hit rate   JCT s   failures")
+    print("\nsystem                  prefill computed   hit rate   JCT s   failures   calls per worker")
     for name, s in result["systems"].items():
+        shares = " / ".join(f"{w['share_of_calls']:.0%}" for w in s["per_worker"])
         print(f"{name:22s}  {s['computed_tokens']:>16,}   {s['hit_rate']:>8.3f}   {s['jct_s']:>5.1f}   "
-              f"{s['failures']:>8}")
+              f"{s['failures']:>8}   {shares}")
     print("\nratio (95% CI over passes)                      computed                    JCT")
     for pair, c in result["comparison"].items():
         fmt = lambda m: f"{m['mean']:.3f} [{m['ci95'][0]:.3f}, {m['ci95'][1]:.3f}] {m['verdict']}"  # noqa: E731
@@ -226,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                    "host_tokens_per_worker": single.host_tokens(cfg), "trace_params": cfg["trace"],
                    "sessions_dropped_for_context": dropped, "trace_stats": single.trace_stats(trace, plan),
                    "systems": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": sp,
-                                   "router_policy": pol} for n, (b, h, sp, pol) in SYSTEMS.items() if n in names}},
+                                   "router_policy": pol, "schedule_policy": schedule_policy(n)}
+                               for n, (b, h, sp, pol) in SYSTEMS.items() if n in names}},
         "systems": systems,
         "comparison": compare(systems) if set(names) == set(SYSTEMS) else {},
         "requests": {"columns": list(single.ROW_COLUMNS), **rows},

@@ -5,12 +5,18 @@ the committed JSON under ``bench/results/``.
 ``<!-- results:begin -->`` / ``<!-- results:end -->`` markers in each file; ``--check`` exits 1 when a
 file's block differs from what the JSON says (``tests/test_readme_results.py`` runs it), so a quoted
 figure can never drift from its committed measurement.
+
+The prose is checked too: every ratio (``0.93x``) and interval (``[0.92, 0.94]``) written outside
+the generated blocks must be a figure some generated block shows (:func:`stale_prose_figures`), unless
+it stands in a ``<!-- history -->`` ... ``<!-- /history -->`` region: figures as an earlier release
+measured them, or of an experiment not kept, which the text around them must say.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -206,7 +212,24 @@ def _sessions(body: dict) -> list[str]:
                 out.append(f"/ {where} | " + " | ".join(_session_cell(cells.get((other, host, m)))
                                                          for m, _ in _SESSION_COLUMNS))
         out.append("")
-    return out
+    return out + _session_spread(body)
+
+
+def _session_spread(body: dict, policy: str = "agentcache", other: str = "hicache") -> list[str]:
+    """Per session, ours / write-back recomputed tokens at each host size: the spread behind the mean
+    (the six best and six worst sessions)."""
+    rows = {(r["session"], r["policy"], r["host_ratio"]): r["recomputed_tokens"] for r in body["rows"]}
+    out = []
+    for host in sorted({h for _, p, h in rows if p == policy}):
+        ratios = sorted((rows[(s, policy, host)] / max(rows[(s, other, host)], 1), s) for s, p, h in rows
+                        if p == policy and h == host and (s, other, host) in rows)
+        if not ratios:
+            continue
+        show = lambda part: ", ".join(f"{s} {r:.2f}x" for r, s in part)  # noqa: E731
+        out.append(f"- ours / {other} per session at host {host:g}x: best {show(ratios[:6])}; worst "
+                   f"{show(ratios[:-7:-1])}; {sum(r > 1.05 for r, _ in ratios)} of {len(ratios)} sessions "
+                   "more than 5% worse, " + f"{sum(r < 0.95 for r, _ in ratios)} more than 5% better.")
+    return out + [""]
 
 
 def _server(body: dict) -> list[str]:
@@ -214,20 +237,75 @@ def _server(body: dict) -> list[str]:
     b = body["backends"]
     out = [f"Real CPU server (`bench/server_recompute.py`; `{cfg['model_shape']}` random-weight model, "
            f"`{cfg['workload']}` trace, {cfg['trace_stats']['requests']} requests, {cfg['pool_tokens']}-token "
-           f"pool, host tier {cfg['host_tokens']} tokens for both backends that have one, {cfg['passes']} "
-           "passes; the median pass shown):", "",
-           "backend | host tokens | prefill tokens computed | failures | JCT (s) | resume TTFT p50 / p99 (s)",
-           "---|---:|---:|---:|---:|---:"]
+           f"pool, host tier {cfg['host_tokens']} tokens for every backend that has one, {cfg['passes']} "
+           "passes interleaved across servers running side by side (each round runs every backend once, "
+           "the order rotated); the median pass shown):", "",
+           "backend | schedule policy | host tokens | prefill tokens computed | failures | JCT (s) | "
+           "resume TTFT p50 / p99 (s)",
+           "---|---|---:|---:|---:|---:|---:"]
     for name, x in b.items():
         q = x["resume_ttft_s"]
-        out.append(f"{name} | {x['host_tokens']} | {x['computed_tokens']} | {x['failures']} | {x['jct_s']:.1f} | "
-                   f"{q['p50']:.3f} / {q['p99']:.3f}")
+        out.append(f"{name} | {x.get('schedule_policy', 'fcfs')} | {x['host_tokens']} | {x['computed_tokens']} | "
+                   f"{x['failures']} | {x['jct_s']:.1f} | {q['p50']:.3f} / {q['p99']:.3f}")
     out.append("")
-    for other, c in body["comparison"].items():
+    for pair, c in body["comparison"].items():
         parts = [f"{k.replace('_', ' ')} {v['mean']:.2f}x [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] {v['verdict']}"
                  for k, v in c.items() if isinstance(v, dict)]
-        out.append(f"- agentcache / {other}, pass by pass (95% CI): " + "; ".join(parts) + ".")
+        out.append(f"- {_pair(pair)}, pass by pass (95% CI): " + "; ".join(parts) + ".")
     return out + [""]
+
+
+def _cluster(body: dict) -> list[str]:
+    cfg, systems = body["config"], body["systems"]
+    out = [f"Two workers behind SGLang's router (`bench/cluster_recompute.py`; the real-server `{cfg['workload']}` "
+           f"trace, {cfg['trace_stats']['requests']} calls, `{cfg['model_shape']}` model, {cfg['pool_tokens']}-token "
+           f"device pool per worker, host tier {cfg['host_tokens_per_worker']} tokens per worker where a system has "
+           f"one, {cfg['passes']} passes, systems run one after another; hints travel in `tracestate`, closes "
+           "through the fan-out; the median pass shown, calls per worker and peak usage over all passes):", "",
+           "system | router | schedule | host tokens per worker | prefill computed | hit rate | JCT (s) | "
+           "calls per worker | peak token usage per worker",
+           "---|---|---|---:|---:|---:|---:|---|---"]
+    for name, x in systems.items():
+        workers = x.get("per_worker") or []
+        calls = " / ".join(f"{w['share_of_calls']:.0%}" for w in workers) or "-"
+        usage = " / ".join(f"{w['peak_token_usage']:.2f}" for w in workers) or "-"
+        out.append(f"{name} | {x['router_policy']} | {x.get('schedule_policy', 'fcfs')} | "
+                   f"{x['host_tokens_per_worker']} | {x['computed_tokens']} | {x['hit_rate']:.2f} | {x['jct_s']:.1f} | "
+                   f"{calls} | {usage}")
+    out.append("")
+    for pair, c in body["comparison"].items():
+        computed, jct = c["computed"], c["jct"]
+        out.append(f"- {pair}, pass by pass (95% CI): prefill computed {computed['mean']:.2f}x "
+                   f"[{computed['ci95'][0]:.2f}, {computed['ci95'][1]:.2f}] {computed['verdict']}; JCT "
+                   f"{jct['mean']:.2f}x [{jct['ci95'][0]:.2f}, {jct['ci95'][1]:.2f}] {jct['verdict']}.")
+    return out + [""]
+
+
+def _replay_vs_server(body: dict) -> list[str]:
+    t, r, m = body["ttft_s"], body["resume_ttft_s"], body["measured"]
+    ratio, with_overhead = body["ttft_ratio_replay_over_server"], body["ttft_ratio_with_call_overhead"]
+    return [f"Replay against the real server (`bench/replay_vs_server.py`; one `{body['config']['workload']}` "
+            f"trace on its own clock, {body['calls_compared']} calls, `{body['config']['model_shape']}` model, "
+            f"the replayer priced by a profile measured on the server: {body['profile']['prefill_tokens_per_s']:,.0f} "
+            f"prefill tokens/s, {m['decode_s_per_token'] * 1000:.1f} ms per output token, "
+            f"{m['per_call_overhead_s'] * 1000:.0f} ms fixed per call, which the replayer does not model):", "",
+            "TTFT from receipt (s) | server | replay",
+            "---|---:|---:",
+            f"all calls p50 / p99 | {t['server']['p50']:.3f} / {t['server']['p99']:.3f} | "
+            f"{t['replay']['p50']:.3f} / {t['replay']['p99']:.3f}",
+            f"resumed calls p50 / p99 | {r['server']['p50']:.3f} / {r['server']['p99']:.3f} | "
+            f"{r['replay']['p50']:.3f} / {r['replay']['p99']:.3f}",
+            f"cached tokens | {body['cached_tokens']['server']} | {body['cached_tokens']['replay']}",
+            f"trace completion (s) | {body['jct_s']['server']:.1f} | {body['jct_s']['replay']:.1f}", "",
+            f"Per call, replay / server TTFT: median {ratio['p50']:.2f}x (quartiles {ratio['p25']:.2f}x, "
+            f"{ratio['p75']:.2f}x); with the fixed per-call cost added to the replay's, {with_overhead['p50']:.2f}x "
+            f"({with_overhead['p25']:.2f}x, {with_overhead['p75']:.2f}x); Spearman rank correlation "
+            f"{body['ttft_spearman']:.2f}.", ""]
+
+
+def _pair(key: str) -> str:
+    """A comparison key of server_recompute.json: ``"ours / theirs"`` (older files: ``"theirs"``)."""
+    return key if " / " in key else f"agentcache / {key}"
 
 
 def _overhead(body: dict) -> list[str]:
@@ -368,14 +446,14 @@ def _sessions_summary(body: dict) -> list[str]:
 def _server_summary(body: dict) -> list[str]:
     cfg = body["config"]
     parts = []
-    for other, c in body["comparison"].items():
+    for pair, c in body["comparison"].items():
         computed, jct = c["computed"], c["jct"]
-        parts.append(f"against {other}: prefill computed {computed['mean']:.2f}x [{computed['ci95'][0]:.2f}, "
+        parts.append(f"{_pair(pair)}: prefill computed {computed['mean']:.2f}x [{computed['ci95'][0]:.2f}, "
                      f"{computed['ci95'][1]:.2f}] ({computed['verdict']}), JCT {jct['mean']:.2f}x "
                      f"[{jct['ci95'][0]:.2f}, {jct['ci95'][1]:.2f}] ({jct['verdict']})")
     return [f"Real CPU server (`{cfg['workload']}` trace, {cfg['pool_tokens']}-token pool, host tier "
-            f"{cfg['host_tokens']} tokens for both backends that have one, {cfg['passes']} passes), ours "
-            + "; ".join(parts) + ".", ""]
+            f"{cfg['host_tokens']} tokens for every backend that has one, {cfg['passes']} interleaved passes; "
+            "`-lpm`: SGLang's `--schedule-policy lpm`, else `fcfs`): " + "; ".join(parts) + ".", ""]
 
 
 def _render(sections: tuple, tail: tuple = ()) -> str:
@@ -399,7 +477,9 @@ def render_summary() -> str:
 def render() -> str:
     """bench/README.md's block: every table."""
     return _render((("replay/results.json", _replay), ("real_sessions.json", _sessions),
-                    ("server_recompute.json", _server), ("tree_overhead.json", _overhead), ("soak.json", _soak)))
+                    ("server_recompute.json", _server), ("cluster_recompute.json", _cluster),
+                    ("replay_vs_server.json", _replay_vs_server), ("tree_overhead.json", _overhead),
+                    ("soak.json", _soak)))
 
 
 def _block(text: str) -> str | None:
@@ -409,6 +489,29 @@ def _block(text: str) -> str | None:
 
 
 TARGETS = {ROOT / "README.md": render_summary, ROOT / "bench" / "README.md": render}
+HISTORY = re.compile(r"<!-- history -->.*?<!-- /history -->", re.S)
+#: A ratio written as a figure (``0.93x``) or a two-number interval (``[0.92, 0.94]``, ``[-0.04, 2.64]``).
+FIGURE = re.compile(r"(?<![\w.])-?\d+\.\d+x|\[-?\d+\.\d+, -?\d+\.\d+\]")
+NUMBER = re.compile(r"-?\d+\.\d+")
+
+
+def stale_prose_figures(text: str, generated: str) -> list[str]:
+    """The figures of ``text``'s prose (outside its generated block and its history regions) that no
+    generated block shows: an interval must appear as written in ``generated`` (the blocks' text), a
+    ratio's number among its numbers outside intervals. Returns them with their line numbers (pure)."""
+    interval = re.compile(r"\[-?\d+\.\d+, -?\d+\.\d+\]")
+    intervals = set(interval.findall(generated))
+    shown = set(NUMBER.findall(interval.sub(" ", generated)))  # a ratio, not an interval's bound
+    block = _block(text) or ""
+    prose = text.replace(block, "\n" * block.count("\n")) if block else text
+    prose = HISTORY.sub(lambda m: "\n" * m.group(0).count("\n"), prose)
+    stale = []
+    for lineno, line in enumerate(prose.splitlines(), 1):
+        for figure in FIGURE.findall(line):
+            known = figure in intervals if figure.startswith("[") else figure[:-1] in shown
+            if not known:
+                stale.append(f"line {lineno}: {figure}")
+    return stale
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,9 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the results block of README.md and bench/README.md")
     parser.add_argument("--check", action="store_true", help="exit 1 if either file's block differs from the JSON")
     args = parser.parse_args(argv)
-    stale = []
-    for path, make in TARGETS.items():
-        block = make()
+    stale, blocks = [], {path: make() for path, make in TARGETS.items()}
+    generated = "\n".join(blocks.values())
+    status = 0
+    for path, block in blocks.items():
         if not (args.write or args.check):
             print(f"{path.relative_to(ROOT)}:\n{block}\n")
             continue
@@ -430,11 +534,16 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text.replace(old, block))
         elif old != block:
             stale.append(str(path.relative_to(ROOT)))
+        figures = stale_prose_figures(path.read_text(), generated)
+        if figures:
+            status = 1
+            print(f"{path.relative_to(ROOT)}: prose figures no results block shows (update them from the "
+                  "results, or mark them <!-- history -->): " + "; ".join(figures), file=sys.stderr)
     if stale:
         print(f"{', '.join(stale)}: the results block differs from bench/results (run: python "
               "bench/readme_results.py --write)", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 if __name__ == "__main__":

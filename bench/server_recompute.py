@@ -77,20 +77,30 @@ import tempfile
 import time
 import zlib
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sgl_agentcache.cpu_server import CpuServer  # noqa: E402
+from sgl_agentcache.gateway import ROUTING_HEADER, routing_key  # noqa: E402
 from sgl_agentcache.hints import lifecycle_envelope  # noqa: E402
 from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
 from sgl_agentcache.trace.generators import generate  # noqa: E402
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids  # noqa: E402
 
-#: name -> (radix-cache backend, lifecycle hints and routes, node spill on the host tier)
-BACKENDS = {"stock": (None, False, False), "hicache": ("agentcache", False, True), "agentcache": ("agentcache", True, True)}
-OURS = "agentcache"
+#: name -> (radix-cache backend, lifecycle hints and routes, node spill on the host tier, --schedule-policy).
+#: ``lpm`` is SGLang's cache-aware order (longest prefix first, and in-batch prefix sharing: of waiting
+#: requests that share a prefix, one computes it and the others wait for it), which gives the baselines
+#: the shared-prefill saving our hints give ours under ``fcfs``.
+BACKENDS = {"stock": (None, False, False, "fcfs"), "stock-lpm": (None, False, False, "lpm"),
+            "hicache": ("agentcache", False, True, "fcfs"), "hicache-lpm": ("agentcache", False, True, "lpm"),
+            "agentcache": ("agentcache", True, True, "fcfs"), "agentcache-lpm": ("agentcache", True, True, "lpm")}
+#: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against write-back
+#: under lpm (the strongest baseline here).
+COMPARISONS = (("agentcache", "hicache-lpm"), ("agentcache-lpm", "hicache-lpm"), ("agentcache", "hicache"),
+               ("agentcache", "stock"), ("agentcache", "stock-lpm"))
 #: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
 #: when pauses go through the route).
 ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "ttft_s", "latency_s",
@@ -167,9 +177,12 @@ class Replayer:
     """Sends the plan to one server; thread-safe by construction (a step reads only finished steps)."""
 
     def __init__(self, server: CpuServer, trace: Trace, plan: list[Step], vocab: int, cfg: dict, agent: bool,
-                 tag: str = ""):
+                 tag: str = "", route_session: bool = False):
         self.server, self.trace, self.plan, self.vocab, self.cfg, self.agent = server, trace, plan, vocab, cfg, agent
         self.tag = tag  # appended to session ids: a later pass must not meet the sessions an earlier one closed
+        # Unhinted calls carry their session's routing key (a router's manual policy; hinted calls have it
+        # in their hint's gateway headers).
+        self.route_session = route_session and not agent
         self.block = trace.header.block_tokens
         self.prompts: dict[int, list[int]] = {}
         self.outputs: dict[int, list[int]] = {}
@@ -233,7 +246,8 @@ class Replayer:
             body["kv_hints"] = lifecycle_envelope(hint, message_id=r.id)
         sent = time.monotonic()
         try:
-            status, ttft, out = self.server.stream_generate(body, timeout=300)
+            headers = {ROUTING_HEADER: routing_key(r.session + self.tag)} if self.route_session else None
+            status, ttft, out = self.server.stream_generate(body, timeout=300, headers=headers)
         except OSError as exc:  # a timeout or a dead server: a failure, the run goes on
             status, ttft, out = -1, None, {"error": repr(exc)}
         latency = time.monotonic() - sent
@@ -320,7 +334,10 @@ def log_counts(path: Path, offset: int) -> dict:
     """What the server log says from ``offset`` on: prefill tokens per batch, retractions, errors."""
     text = path.read_bytes()[offset:].decode(errors="replace")
     batches = re.findall(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)", text)
+    usage = [float(u) for u in re.findall(r"Prefill batch.*?token usage: ([\d.]+)", text)]
     return {"prefill_batches": len(batches), "prefill_new_tokens": sum(int(n) for n, _ in batches),
+            "prefill_requests": sum(int(n) for n in re.findall(r"Prefill batch.*?#new-seq: (\d+)", text)),
+            "peak_token_usage": max(usage, default=0.0),
             "prefill_cached_tokens": sum(int(c) for _, c in batches),
             "retractions": len(re.findall(r"Retract requests", text)),
             "tracebacks": text.count("Traceback"), "warnings": len(re.findall(r"\bWARNING\b", text)),
@@ -392,39 +409,73 @@ def _flush(server: CpuServer) -> None:
 
 #: Per-pass figures kept for every pass (the median pass keeps its full summary and rows).
 PASS_FIELDS = ("computed_tokens", "cached_tokens", "failures", "resume_computed_tokens", "resume_latency_s",
-               "resume_ttft_s", "jct_s", "wall_s", "pause_decisions", "extra_pause_decisions")
+               "resume_ttft_s", "jct_s", "wall_s", "pause_decisions", "extra_pause_decisions", "pass_order")
 
 
 def host_tokens(cfg: dict) -> int:
     return int(round(cfg["host_ratio"] * cfg["pool_tokens"]))
 
 
-def run_backend(name: str, model, trace: Trace, plan: list[Step], cfg: dict, log_dir: Path) -> tuple[dict, list]:
-    """``cfg["passes"]`` passes of the trace on one fresh server, its cache flushed before each later
-    pass and its session ids tagged per pass. Returns the median pass's summary (by prefill tokens
-    computed; ``passes`` lists every pass) and that pass's request rows."""
-    backend, agent, spill = BACKENDS[name]
-    log = log_dir / f"{name}.log"
+def start_server(name: str, model, cfg: dict, log_dir: Path) -> CpuServer:
+    """A fresh server for backend ``name`` (not started): equal pool for all, equal host bytes for all
+    that have a host tier."""
+    backend, _, spill, policy = BACKENDS[name]
     env = {"AGENTCACHE_EVENT_LOG": str(log_dir / f"{name}-events.jsonl")} if backend else {}
     if spill:  # the same host tier for every backend that has one
         env |= {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(host_tokens(cfg))}
     elif backend:
         env |= {"AGENTCACHE_HOST_TOKENS": "0"}
-    server = CpuServer(str(model.path), backend=backend, log_path=log,
-                       max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env)
-    runs = []
-    with server.start():
-        stats = _agentcache_stats(server) if backend else None
+    return CpuServer(str(model.path), backend=backend, log_path=log_dir / f"{name}.log",
+                     max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env,
+                     extra_args=("--schedule-policy", policy))
+
+
+def run_pass(name: str, server: CpuServer, k: int, trace: Trace, plan: list[Step], cfg: dict, vocab: int,
+             stats: dict | None) -> tuple[dict, "Replayer", dict | None]:
+    """Pass ``k`` of the trace on ``name``'s server (flushed first unless it is the first pass; session
+    ids tagged per pass). Returns the pass's summary, its replayer and the server's stats after it."""
+    backend, agent, _, _ = BACKENDS[name]
+    if k:
+        _flush(server)
+    offset = server.log_path.stat().st_size  # start-up's warm-up prefills (and earlier passes) are not counted
+    rep = Replayer(server, trace, plan, vocab, cfg, agent, tag=f".p{k}" if k else "")
+    wall = rep.run()
+    after = _agentcache_stats(server) if backend else None
+    summary = summarise(rep, wall, log_counts(server.log_path, offset), after, stats)
+    print(f"[server_recompute] {name} pass {k + 1}/{cfg['passes']}: "
+          f"{summary['computed_tokens']:,} prefill tokens computed, JCT {summary['jct_s']:.1f} s", flush=True)
+    return summary, rep, after
+
+
+def run_interleaved(names: list[str], model, trace: Trace, plan: list[Step], cfg: dict,
+                    log_dir: Path) -> tuple[dict, dict]:
+    """Every backend's server up at once (idle ones sleep on their sockets), and the passes interleaved:
+    pass ``k`` runs each backend in turn, the order rotated by one each pass, so that the ``k``-th
+    passes of two backends ran minutes apart under the same machine conditions and pair by index.
+    Returns, per backend, the median pass's summary (by prefill tokens computed; ``passes`` lists
+    every pass) and that pass's request rows."""
+    runs: dict[str, list] = {n: [] for n in names}
+    stats: dict[str, dict | None] = {}
+    with ExitStack() as stack:
+        servers = {}
+        for name in names:
+            print(f"[server_recompute] starting {name}'s server", flush=True)
+            servers[name] = stack.enter_context(start_server(name, model, cfg, log_dir).start())
+            stats[name] = _agentcache_stats(servers[name]) if BACKENDS[name][0] else None
         for k in range(cfg["passes"]):
-            if k:
-                _flush(server)
-            offset = log.stat().st_size  # start-up's warm-up prefills (and earlier passes) are not counted
-            rep = Replayer(server, trace, plan, model.vocab_size, cfg, agent, tag=f".p{k}" if k else "")
-            wall = rep.run()
-            before, stats = stats, _agentcache_stats(server) if backend else None
-            runs.append((summarise(rep, wall, log_counts(log, offset), stats, before), rep))
-            print(f"[server_recompute] {name} pass {k + 1}/{cfg['passes']}: "
-                  f"{runs[-1][0]['computed_tokens']:,} prefill tokens computed", flush=True)
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                summary, rep, stats[name] = run_pass(name, servers[name], k, trace, plan, cfg, model.vocab_size,
+                                                     stats[name])
+                summary["pass_order"] = (names.index(name) - k) % len(names)
+                runs[name].append((summary, rep))
+    summaries, rows = {}, {}
+    for name in names:
+        summaries[name], rows[name] = _median_pass(name, runs[name], cfg)
+    return summaries, rows
+
+
+def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
+    backend, _, spill, policy = BACKENDS[name]
     order = sorted(range(len(runs)), key=lambda k: runs[k][0]["computed_tokens"])
     median = order[(len(order) - 1) // 2]  # the lower median: a pass that ran, never an average
     summary, rep = runs[median]
@@ -433,12 +484,14 @@ def run_backend(name: str, model, trace: Trace, plan: list[Step], cfg: dict, log
                          for s, _ in runs]
     summary["host_tokens"] = host_tokens(cfg) if spill else 0
     summary["pool_tokens"] = cfg["pool_tokens"]
+    summary["schedule_policy"] = policy
     return summary, [[rep.rows[i].get(c) for c in ROW_COLUMNS] for i in sorted(rep.rows)]
 
 
 # ---- report ----
 
-COLOURS = {"stock": "#999999", "hicache": "#e08a2c", "agentcache": "#2b7bba"}
+COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache": "#e08a2c", "hicache-lpm": "#b05f10",
+           "agentcache": "#2b7bba", "agentcache-lpm": "#164f80"}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -501,8 +554,8 @@ def print_table(result: dict) -> None:
                       f"{q['p50']:.3f}", f"{q['p99']:.3f}")
     console = Console(width=max(Console().width, 140))  # the table must not be cut in logs
     console.print(table)
-    for other, cmp in result["comparison"].items():
-        console.print(f"{OURS} / {other}, pass by pass (mean, 95% CI): "
+    for pair, cmp in result["comparison"].items():
+        console.print(f"{pair}, pass by pass (mean, 95% CI): "
                       + "; ".join(f"{k} {v['mean']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] {v['verdict']}"
                                   for k, v in cmp.items() if isinstance(v, dict)))
 
@@ -547,10 +600,11 @@ MEASURES = {"computed": lambda p: p["computed_tokens"], "jct": lambda p: p["jct_
 
 
 def compare(backends: dict) -> dict:
-    """Ours against every other backend, pass by pass (same pass index: both saw the same trace from
-    a flushed cache): the mean ratio of each measure with its 95% interval, "better"/"worse" only
-    when the interval excludes 1. Plus extra failures over all passes (must be 0)."""
-    return {name: paired(backends[OURS], theirs) for name, theirs in backends.items() if name != OURS}
+    """Each pair of :data:`COMPARISONS` (key ``"ours / theirs"``), pass by pass (same pass index: both
+    saw the same trace from a flushed cache, in the same round of interleaved passes): the mean ratio
+    of each measure with its 95% interval, "better"/"worse" only when the interval excludes 1. Plus
+    extra failures over all passes (must be 0)."""
+    return {f"{a} / {b}": paired(backends[a], backends[b]) for a, b in COMPARISONS}
 
 
 def paired(ours: dict, theirs: dict) -> dict:
@@ -584,10 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         trace, dropped = fit_context(generate("branch_heavy", seed=cfg["seed"], **cfg["trace"]),
                                      cfg["context_length"], cfg["output_cap"])
         plan = build_plan(trace)
-        backends, rows = {}, {}
-        for name in BACKENDS:
-            print(f"[server_recompute] {name}: starting a fresh server, then {len(trace.requests)} calls", flush=True)
-            backends[name], rows[name] = run_backend(name, model, trace, plan, cfg, log_dir)
+        backends, rows = run_interleaved(list(BACKENDS), model, trace, plan, cfg, log_dir)
         if args.log_dir:
             print(f"[server_recompute] server logs in {log_dir}")
     result = {
@@ -600,8 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},
                    "host_tokens": host_tokens(cfg), "trace_params": cfg["trace"], "vocab_size": model.vocab_size,
                    "sessions_dropped_for_context": dropped, "trace_stats": trace_stats(trace, plan),
-                   "backends": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": sp}
-                                for n, (b, h, sp) in BACKENDS.items()}},
+                   "backends": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": sp,
+                                    "schedule_policy": pol} for n, (b, h, sp, pol) in BACKENDS.items()}},
         "backends": backends,
         "comparison": compare(backends),
         "requests": {"columns": list(ROW_COLUMNS), **rows},

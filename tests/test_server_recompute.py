@@ -50,12 +50,17 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     assert result["mode"] == "quick"
     stats = result["config"]["trace_stats"]
     assert stats["fork_branches"] > 0 and stats["resumes"] > 0 and stats["events"] > 0
-    assert set(result["backends"]) == {"stock", "hicache", "agentcache"}
+    names = {"stock", "stock-lpm", "hicache", "hicache-lpm", "agentcache", "agentcache-lpm"}
+    assert set(result["backends"]) == names
     b = result["backends"]
-    assert b["stock"]["host_tokens"] == 0 and b["hicache"]["host_tokens"] == b["agentcache"]["host_tokens"] > 0
+    assert b["stock"]["host_tokens"] == b["stock-lpm"]["host_tokens"] == 0
+    assert len({b[n]["host_tokens"] for n in names if not n.startswith("stock")} - {0}) == 1  # equal host bytes
     assert len({x["pool_tokens"] for x in b.values()}) == 1  # equal memory
+    policies = {n: x["schedule_policy"] for n, x in b.items()}
+    assert policies == {n: "lpm" if n.endswith("-lpm") else "fcfs" for n in names}
     cmp = result["comparison"]
-    assert set(cmp) == {"stock", "hicache"}
+    assert set(cmp) == {"agentcache / hicache-lpm", "agentcache-lpm / hicache-lpm", "agentcache / hicache",
+                        "agentcache / stock", "agentcache / stock-lpm"}
     for other in cmp.values():
         assert other["extra_failures"] == 0
         for measure in ("computed", "jct", "resume_ttft_p50", "resume_ttft_p99"):
@@ -84,17 +89,20 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
 
     for name, b in result["backends"].items():  # two passes, the cache flushed between them
         assert len(b["passes"]) == result["config"]["passes"] == 2 and b["pass_index"] in (0, 1), name
+        # Interleaved: each round runs every backend once, the order rotated by one per round.
+        assert b["passes"][0]["pass_order"] != b["passes"][1]["pass_order"], name
         assert b["passes"][b["pass_index"]]["computed_tokens"] == b["computed_tokens"], name
         # Flushed: a later pass finds nothing of the earlier one, so it computes at least the ideal.
         assert all(p["computed_tokens"] >= b["ideal_computed_tokens"] and p["failures"] == 0 for p in b["passes"])
 
-    ours = result["backends"]["agentcache"]
-    assert ours["control_errors"] == 0, ours["control_error_samples"]
-    for p in ours["passes"]:  # every pause of every pass decided, and the tree clean after each pass
-        # (besides the idle sweep's and re-pricings, which the server's clock and pace decide)
-        assert sum(p["pause_decisions"].values()) - p["extra_pause_decisions"] == stats["tool_calls"], p
-        assert p["check_ok"] is True, p
+    for ours in (result["backends"]["agentcache"], result["backends"]["agentcache-lpm"]):
+        assert ours["control_errors"] == 0, ours["control_error_samples"]
+        for p in ours["passes"]:  # every pause of every pass decided, and the tree clean after each pass
+            # (besides the idle sweep's and re-pricings, which the server's clock and pace decide)
+            assert sum(p["pause_decisions"].values()) - p["extra_pause_decisions"] == stats["tool_calls"], p
+            assert p["check_ok"] is True, p
     assert result["backends"]["stock"]["pause_decisions"] == {}  # stock never sees our routes
-    hicache = result["backends"]["hicache"]  # no hints: no pause, no branch; only the node spill
-    assert hicache["pause_decisions"] == {} and hicache["control_errors"] == 0
-    assert hicache["agentcache"]["stats"]["spill"]["enabled"] is True
+    for hicache in (result["backends"]["hicache"], result["backends"]["hicache-lpm"]):
+        # no hints: no pause, no branch; only the node spill
+        assert hicache["pause_decisions"] == {} and hicache["control_errors"] == 0
+        assert hicache["agentcache"]["stats"]["spill"]["enabled"] is True
