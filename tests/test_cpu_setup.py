@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_agentcache.cpu_setup import PTH_NAME, SHIMS, STUB_MARKER
+from sgl_agentcache.cpu_setup import PTH_NAME, PTH_TEXT, SHIMS, STUB_MARKER
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,9 +33,11 @@ def test_install_then_remove_on_this_cpu_torch(tmp_path):
     site.mkdir()
     done = cli("cpu-setup", "--site", str(site))
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in site.iterdir()) == sorted(["_tv_cpu_shim.py", PTH_NAME, "sgl_kernel"])
-    assert (site / PTH_NAME).read_text() == "import _tv_cpu_shim\n"
-    assert (site / "_tv_cpu_shim.py").read_bytes() == (SHIMS / "_tv_cpu_shim.py").read_bytes()
+    assert sorted(p.name for p in site.iterdir()) == sorted(["_tv_cpu_shim.py", "_hicache_cpu_shim.py", PTH_NAME,
+                                                              "sgl_kernel"])
+    assert (site / PTH_NAME).read_text() == PTH_TEXT == "import _tv_cpu_shim\nimport _hicache_cpu_shim\n"
+    for shim in ("_tv_cpu_shim.py", "_hicache_cpu_shim.py"):
+        assert (site / shim).read_bytes() == (SHIMS / shim).read_bytes()
     assert STUB_MARKER in (site / "sgl_kernel" / "__init__.py").read_text()
     # The installed placeholder imports on this CPU torch and is the one found first.
     out = python("import sgl_kernel; print(sgl_kernel.__version__, sgl_kernel.__file__)", [site])

@@ -1,11 +1,14 @@
-"""``sgl-agentcache cpu-setup``: the two shims that let SGLang 0.5.23 run on a CPU-only torch.
+"""``sgl-agentcache cpu-setup``: the shims that let SGLang 0.5.23 run on a CPU-only torch.
 
 SGLang on CPU (``SGLANG_USE_CPU_ENGINE=1``) needs, next to a CPU build of torch:
 
 - ``sgl_kernel``: a placeholder for SGLang's native kernel package, which PyPI ships only for CUDA
   (see ``shims/sgl_kernel``);
 - ``_tv_cpu_shim`` and a ``.pth`` start-up hook that loads it: PyPI's torchvision is a CUDA build whose
-  op registration crashes on CPU torch (see ``shims/_tv_cpu_shim.py``).
+  op registration crashes on CPU torch (see ``shims/_tv_cpu_shim.py``);
+- ``_hicache_cpu_shim``, loaded by the same hook: host allocation, the ``direct`` io backend's copies
+  and a stream stand-in, so that HiCache (``--enable-hierarchical-cache``) serves on CPU
+  (see ``shims/_hicache_cpu_shim.py``).
 
 :func:`install` copies them into an environment's site-packages (``tools/setup_cpu_env.sh``, i.e.
 ``make setup``, runs it for the test environment). It refuses a GPU environment -- a CUDA or ROCm build
@@ -23,6 +26,9 @@ from pathlib import Path
 SHIMS = Path(__file__).resolve().parent / "shims"
 PTH_NAME = "zz_sgl_agentcache_tv_cpu_shim.pth"
 TV_SHIM = "_tv_cpu_shim.py"
+HICACHE_SHIM = "_hicache_cpu_shim.py"
+#: What the start-up hook runs: one import per shim module.
+PTH_TEXT = "import _tv_cpu_shim\nimport _hicache_cpu_shim\n"
 KERNEL_STUB = "sgl_kernel"
 #: Text that identifies our placeholder ``sgl_kernel`` (anything else there is a real kernel package).
 STUB_MARKER = '__version__ = "0.0.0+cpustub"'
@@ -86,18 +92,19 @@ def install(site: Path | None = None) -> list[Path]:
                             "the placeholder would shadow it")
     if not site.is_dir():
         raise CpuSetupError(f"{site}: no such site-packages directory")
-    shutil.copyfile(SHIMS / TV_SHIM, site / TV_SHIM)
-    (site / PTH_NAME).write_text("import _tv_cpu_shim\n")
+    for shim in (TV_SHIM, HICACHE_SHIM):
+        shutil.copyfile(SHIMS / shim, site / shim)
+    (site / PTH_NAME).write_text(PTH_TEXT)
     shutil.rmtree(site / KERNEL_STUB, ignore_errors=True)
     shutil.copytree(SHIMS / KERNEL_STUB, site / KERNEL_STUB, ignore=shutil.ignore_patterns("__pycache__"))
-    return [site / TV_SHIM, site / PTH_NAME, site / KERNEL_STUB]
+    return [site / TV_SHIM, site / HICACHE_SHIM, site / PTH_NAME, site / KERNEL_STUB]
 
 
 def remove(site: Path | None = None) -> list[Path]:
     """Delete the shims from ``site`` (default: this environment's); a real ``sgl_kernel`` is left alone."""
     site = site or default_site()
     removed = []
-    for path in (site / PTH_NAME, site / TV_SHIM):
+    for path in (site / PTH_NAME, site / TV_SHIM, site / HICACHE_SHIM):
         if path.exists():
             path.unlink()
             removed.append(path)
