@@ -300,7 +300,19 @@ def _replay_vs_server(body: dict) -> list[str]:
             f"Per call, replay / server TTFT: median {ratio['p50']:.2f}x (quartiles {ratio['p25']:.2f}x, "
             f"{ratio['p75']:.2f}x); with the fixed per-call cost added to the replay's, {with_overhead['p50']:.2f}x "
             f"({with_overhead['p25']:.2f}x, {with_overhead['p75']:.2f}x); Spearman rank correlation "
-            f"{body['ttft_spearman']:.2f}.", ""]
+            f"{body['ttft_spearman']:.2f}.", ""] + _hicache_emulation(body)
+
+
+def _hicache_emulation(body: dict) -> list[str]:
+    h = body.get("hicache_emulation")
+    if not h:
+        return []
+    verdict = "within" if h["within_5_percent"] else "outside"
+    return [f"The replay's `hicache` policy (the write-back emulation every replay table compares against) "
+            f"on the same trace as stock SGLang with its own HiCache (write-back, same pool and host tokens): "
+            f"prefill computed {h['computed_tokens']['replay']:,} (replay) / {h['computed_tokens']['server']:,} "
+            f"(server) = {h['computed_ratio_replay_over_server']:.3f}x over {h['calls_compared']} calls, "
+            f"{verdict} the 5% target.", ""]
 
 
 def _pair(key: str) -> str:

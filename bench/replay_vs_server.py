@@ -22,6 +22,10 @@ cost per call added to the replay's), their Spearman rank
 correlation, and the cached-token totals. A check, not a claim: it says how far the replayer's
 latencies can be read as the server's.
 
+Second check (``hicache_emulation``): the same trace on stock SGLang with its own HiCache (write-back,
+the same pool and host tokens; ``server_recompute``'s ``hicache-wb``), against the replayer's ``hicache``
+policy, which emulates it: prefill tokens computed on both sides and their ratio (the target: within 5%).
+
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/replay_vs_server.py [--quick] [--out DIR]``
 (default ``bench/results``; writes ``replay_vs_server.json``; about 5 minutes, ``--quick`` about 2).
 """
@@ -125,6 +129,28 @@ def run_server(model, trace, plan, cfg: dict, profile_path: Path, log_dir: Path)
     return rep
 
 
+def run_hicache_server(model, trace, plan, cfg: dict, log_dir: Path) -> single.Replayer:
+    """The same trace on stock SGLang with its own HiCache (write-back, the same host tokens; the
+    server_recompute ``hicache-wb`` configuration), no hints."""
+    server = single.start_server("hicache-wb", model, cfg, log_dir)
+    with server.start():
+        rep = single.Replayer(server, trace, plan, model.vocab_size, cfg, agent=False)
+        rep.run()
+    return rep
+
+
+def hicache_check(trace, rep: single.Replayer, sim) -> dict:
+    """The replay's ``hicache`` policy (our write-back emulation) against SGLang's real HiCache on the
+    same trace: prefill tokens computed over the calls both served, and their ratio."""
+    rows = {row["id"]: row for row in rep.rows.values() if row["status"] == 200}
+    both = [r for r in trace.requests if r.id in rows and r.id in sim.calls]
+    server = sum(rows[r.id]["input"] - rows[r.id]["cached"] for r in both)
+    replayed = sum(r.input_tokens - sim.calls[r.id].cached_tokens for r in both)
+    ratio = replayed / max(server, 1)
+    return {"calls_compared": len(both), "computed_tokens": {"server": server, "replay": replayed},
+            "computed_ratio_replay_over_server": round(ratio, 4), "within_5_percent": abs(ratio - 1) <= 0.05}
+
+
 def compare(trace, rep: single.Replayer, sim, overhead_s: float) -> dict:
     """Per call (matched by id): TTFT from receipt on both sides, cached tokens; and the summaries.
     ``overhead_s``: the measured fixed cost per call, added to the replay's TTFTs in a second ratio."""
@@ -189,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         profile_path = log_dir / "profile.json"
         write_profile(profile, measured, profile_path)
         print(f"[replay_vs_server] measured: {profile}", flush=True)
-        rep = run_server(model, trace, single.build_plan(trace), cfg, profile_path, log_dir)
-    sim = replay(trace, "agentcache", pool_tokens=cfg["pool_tokens"], host_tokens=single.host_tokens(cfg),
-                 profile=profile, vocab_size=model.vocab_size, max_live=MAX_RUNNING, timeline=False)
+        plan = single.build_plan(trace)
+        rep = run_server(model, trace, plan, cfg, profile_path, log_dir)
+        hicache_rep = run_hicache_server(model, trace, plan, cfg, log_dir)
+    sims = {policy: replay(trace, policy, pool_tokens=cfg["pool_tokens"], host_tokens=single.host_tokens(cfg),
+                           profile=profile, vocab_size=model.vocab_size, max_live=MAX_RUNNING, timeline=False)
+            for policy in ("agentcache", "hicache")}
     result = {
         "benchmark": "replay_vs_server", "mode": mode,
         "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/replay_vs_server.py" + " --quick" * args.quick,
@@ -200,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                    "sessions_dropped_for_context": dropped, "max_running_requests": MAX_RUNNING},
         "profile": profile.to_dict(), "measured": measured,
         "server_failures": sum(row["status"] != 200 for row in rep.rows.values()),
-        **compare(trace, rep, sim, max(measured["per_call_overhead_s"], 0.0)),
+        **compare(trace, rep, sims["agentcache"], max(measured["per_call_overhead_s"], 0.0)),
+        "hicache_emulation": hicache_check(trace, hicache_rep, sims["hicache"]),
     }
     (out / "replay_vs_server.json").write_text(single.dump_json(result))
     print_summary(result)
@@ -216,6 +246,10 @@ def print_summary(result: dict) -> None:
           f"{result['ttft_ratio_with_call_overhead']['p50']}); Spearman {result['ttft_spearman']}; cached "
           f"{result['cached_tokens']['server']:,} / {result['cached_tokens']['replay']:,}; JCT "
           f"{result['jct_s']['server']:.1f} / {result['jct_s']['replay']:.1f} s")
+    h = result["hicache_emulation"]
+    print(f"[replay_vs_server] the replay's hicache emulation / SGLang's HiCache (write-back): prefill computed "
+          f"{h['computed_tokens']['replay']:,} / {h['computed_tokens']['server']:,} = "
+          f"{h['computed_ratio_replay_over_server']:.3f}x over {h['calls_compared']} calls")
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ servers on the same random-weight model (``bench`` shape: wide and deep enough t
 prefix shows in latency) with the same constrained KV pool and, for every backend that has one, the
 same host tier:
 
-- ``stock``: SGLang's default radix cache (no ``--radix-cache-backend``), no host tier (stock SGLang
-  has none on CPU: HiCache cannot start there);
-- ``hicache``: stock LRU plus a node-granular host tier with HiCache's write-back semantics (what
-  eviction takes is copied to host, a later match loads it back): the ``agentcache`` backend with
-  ``AGENTCACHE_HOST_SPILL=1`` and requests *without* lifecycle hints, so its tree keeps stock LRU order
-  and no pause machinery runs;
-- ``agentcache``: ours, lifecycle hints on every call, the same host tier and node spill.
+- ``stock``: SGLang's default radix cache (no ``--radix-cache-backend``), no host tier;
+- ``hicache-wb``, ``hicache-wt``: stock SGLang with its own HiCache (``--enable-hierarchical-cache``,
+  ``--hicache-write-policy write_back`` / ``write_through``, ``--hicache-io-backend direct``, default
+  ``page_first_direct`` layout), its host pool sized by ``--hicache-ratio`` to the same host tokens as
+  ours; it serves on CPU through ``sgl-agentcache cpu-setup``'s HiCache shim. This is the real competitor;
+- ``emulated-wb``: the write-back emulation the replay's ``hicache`` policy models (stock LRU plus our
+  node-granular host tier, exclusive: an entry leaves host when loaded back): the ``agentcache`` backend
+  with ``AGENTCACHE_HOST_SPILL=1`` and requests *without* lifecycle hints, so its tree keeps stock LRU
+  order and no pause machinery runs. Kept beside the real HiCache to show how far the emulation is from it;
+- ``agentcache``: ours, lifecycle hints on every call, the same host tier bytes and node spill.
 
 Per request it records the input tokens, ``meta_info.cached_tokens`` and so the prefill tokens actually
 computed (``input - cached``), the time to first token (``/generate`` streamed), the HTTP latency and
@@ -80,6 +83,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
@@ -90,17 +94,31 @@ from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
 from sgl_agentcache.trace.generators import generate  # noqa: E402
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids  # noqa: E402
 
-#: name -> (radix-cache backend, lifecycle hints and routes, node spill on the host tier, --schedule-policy).
+class Backend(NamedTuple):
+    """How one compared system's server is started and driven."""
+
+    radix_backend: str | None  # --radix-cache-backend (None: SGLang's default)
+    hints: bool  # lifecycle hints on requests and our routes for events
+    spill: bool  # our host tier's node spill (AGENTCACHE_HOST_SPILL=1)
+    schedule_policy: str  # --schedule-policy
+    hicache_write_policy: str | None = None  # SGLang's own HiCache with this --hicache-write-policy
+
+
 #: ``lpm`` is SGLang's cache-aware order (longest prefix first, and in-batch prefix sharing: of waiting
 #: requests that share a prefix, one computes it and the others wait for it), which gives the baselines
 #: the shared-prefill saving our hints give ours under ``fcfs``.
-BACKENDS = {"stock": (None, False, False, "fcfs"), "stock-lpm": (None, False, False, "lpm"),
-            "hicache": ("agentcache", False, True, "fcfs"), "hicache-lpm": ("agentcache", False, True, "lpm"),
-            "agentcache": ("agentcache", True, True, "fcfs"), "agentcache-lpm": ("agentcache", True, True, "lpm")}
-#: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against write-back
-#: under lpm (the strongest baseline here).
-COMPARISONS = (("agentcache", "hicache-lpm"), ("agentcache-lpm", "hicache-lpm"), ("agentcache", "hicache"),
-               ("agentcache", "stock"), ("agentcache", "stock-lpm"))
+BACKENDS = {"stock": Backend(None, False, False, "fcfs"), "stock-lpm": Backend(None, False, False, "lpm"),
+            "hicache-wb": Backend(None, False, False, "fcfs", "write_back"),
+            "hicache-wb-lpm": Backend(None, False, False, "lpm", "write_back"),
+            "hicache-wt-lpm": Backend(None, False, False, "lpm", "write_through"),
+            "emulated-wb-lpm": Backend("agentcache", False, True, "lpm"),
+            "agentcache": Backend("agentcache", True, True, "fcfs"),
+            "agentcache-lpm": Backend("agentcache", True, True, "lpm")}
+#: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against SGLang's HiCache
+#: under lpm (the strongest baseline here). The last pair checks the replay's emulation against the real one.
+COMPARISONS = (("agentcache", "hicache-wb-lpm"), ("agentcache", "hicache-wt-lpm"), ("agentcache-lpm", "hicache-wb-lpm"),
+               ("agentcache", "hicache-wb"), ("agentcache", "emulated-wb-lpm"), ("agentcache", "stock"),
+               ("agentcache", "stock-lpm"), ("emulated-wb-lpm", "hicache-wb-lpm"))
 #: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
 #: when pauses go through the route).
 ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "ttft_s", "latency_s",
@@ -419,22 +437,33 @@ def host_tokens(cfg: dict) -> int:
 def start_server(name: str, model, cfg: dict, log_dir: Path) -> CpuServer:
     """A fresh server for backend ``name`` (not started): equal pool for all, equal host bytes for all
     that have a host tier."""
-    backend, _, spill, policy = BACKENDS[name]
-    env = {"AGENTCACHE_EVENT_LOG": str(log_dir / f"{name}-events.jsonl")} if backend else {}
-    if spill:  # the same host tier for every backend that has one
+    b = BACKENDS[name]
+    env = {"AGENTCACHE_EVENT_LOG": str(log_dir / f"{name}-events.jsonl")} if b.radix_backend else {}
+    if b.spill:  # the same host tier for every backend that has one
         env |= {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(host_tokens(cfg))}
-    elif backend:
+    elif b.radix_backend:
         env |= {"AGENTCACHE_HOST_TOKENS": "0"}
-    return CpuServer(str(model.path), backend=backend, log_path=log_dir / f"{name}.log",
+    extra = ["--schedule-policy", b.schedule_policy]
+    if b.hicache_write_policy:
+        # HiCache sizes its host pool as a multiple of the device pool (plus one padding page): the
+        # same host tokens as ours.
+        extra += ["--enable-hierarchical-cache", "--hicache-write-policy", b.hicache_write_policy,
+                  "--hicache-io-backend", "direct", "--hicache-ratio", f"{cfg['host_ratio']:g}"]
+    return CpuServer(str(model.path), backend=b.radix_backend, log_path=log_dir / f"{name}.log",
                      max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env,
-                     extra_args=("--schedule-policy", policy))
+                     extra_args=tuple(extra))
+
+
+def has_host_tier(name: str) -> bool:
+    b = BACKENDS[name]
+    return b.spill or b.hicache_write_policy is not None
 
 
 def run_pass(name: str, server: CpuServer, k: int, trace: Trace, plan: list[Step], cfg: dict, vocab: int,
              stats: dict | None) -> tuple[dict, "Replayer", dict | None]:
     """Pass ``k`` of the trace on ``name``'s server (flushed first unless it is the first pass; session
     ids tagged per pass). Returns the pass's summary, its replayer and the server's stats after it."""
-    backend, agent, _, _ = BACKENDS[name]
+    backend, agent = BACKENDS[name].radix_backend, BACKENDS[name].hints
     if k:
         _flush(server)
     offset = server.log_path.stat().st_size  # start-up's warm-up prefills (and earlier passes) are not counted
@@ -461,7 +490,7 @@ def run_interleaved(names: list[str], model, trace: Trace, plan: list[Step], cfg
         for name in names:
             print(f"[server_recompute] starting {name}'s server", flush=True)
             servers[name] = stack.enter_context(start_server(name, model, cfg, log_dir).start())
-            stats[name] = _agentcache_stats(servers[name]) if BACKENDS[name][0] else None
+            stats[name] = _agentcache_stats(servers[name]) if BACKENDS[name].radix_backend else None
         for k in range(cfg["passes"]):
             for name in names[k % len(names):] + names[:k % len(names)]:
                 summary, rep, stats[name] = run_pass(name, servers[name], k, trace, plan, cfg, model.vocab_size,
@@ -475,23 +504,24 @@ def run_interleaved(names: list[str], model, trace: Trace, plan: list[Step], cfg
 
 
 def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
-    backend, _, spill, policy = BACKENDS[name]
+    backend = BACKENDS[name].radix_backend
     order = sorted(range(len(runs)), key=lambda k: runs[k][0]["computed_tokens"])
     median = order[(len(order) - 1) // 2]  # the lower median: a pass that ran, never an average
     summary, rep = runs[median]
     summary["pass_index"] = median
     summary["passes"] = [{f: s[f] for f in PASS_FIELDS} | ({"check_ok": s["agentcache"]["check_ok"]} if backend else {})
                          for s, _ in runs]
-    summary["host_tokens"] = host_tokens(cfg) if spill else 0
+    summary["host_tokens"] = host_tokens(cfg) if has_host_tier(name) else 0
     summary["pool_tokens"] = cfg["pool_tokens"]
-    summary["schedule_policy"] = policy
+    summary["schedule_policy"] = BACKENDS[name].schedule_policy
     return summary, [[rep.rows[i].get(c) for c in ROW_COLUMNS] for i in sorted(rep.rows)]
 
 
 # ---- report ----
 
-COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache": "#e08a2c", "hicache-lpm": "#b05f10",
-           "agentcache": "#2b7bba", "agentcache-lpm": "#164f80"}
+COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache-wb": "#e08a2c", "hicache-wb-lpm": "#b05f10",
+           "hicache-wt-lpm": "#8a4a0c", "emulated-wb-lpm": "#d8b26a", "agentcache": "#2b7bba",
+           "agentcache-lpm": "#164f80"}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -502,7 +532,7 @@ def plot(result: dict, path: Path) -> None:
 
     b = result["backends"]
     names = list(b)
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 5.2))
     computed = [statistics.fmean(p["computed_tokens"] for p in b[n]["passes"]) for n in names]
     left.bar(names, computed, color=[COLOURS[n] for n in names])
     left.axhline(b["stock"]["ideal_computed_tokens"], color="green", ls=":", lw=1, label="never-evicting cache")
@@ -511,6 +541,8 @@ def plot(result: dict, path: Path) -> None:
     left.set_ylabel("prefill tokens computed (mean of passes)")
     left.set_xlabel("backend")
     left.set_title("Prefill computed")
+    for axis in (left, middle):
+        axis.tick_params(axis="x", labelrotation=35, labelsize=8)
     left.legend(fontsize=8)
     jct = [statistics.fmean(p["jct_s"] for p in b[n]["passes"]) for n in names]
     middle.bar(names, jct, color=[COLOURS[n] for n in names])
@@ -533,7 +565,7 @@ def plot(result: dict, path: Path) -> None:
     c = result["config"]
     fig.suptitle(f"Real SGLang CPU server ({c['model_shape']} model), {c['workload']} seed {c['seed']}, "
                  f"{c['trace_stats']['requests']} calls, {c['pool_tokens']}-token KV pool, host tier "
-                 f"{c['host_tokens']} tokens (hicache, agentcache; stock has none), {c['passes']} passes", fontsize=10)
+                 f"{c['host_tokens']} tokens (all but stock), {c['passes']} passes", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -651,8 +683,10 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},
                    "host_tokens": host_tokens(cfg), "trace_params": cfg["trace"], "vocab_size": model.vocab_size,
                    "sessions_dropped_for_context": dropped, "trace_stats": trace_stats(trace, plan),
-                   "backends": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": sp,
-                                    "schedule_policy": pol} for n, (b, h, sp, pol) in BACKENDS.items()}},
+                   "backends": {n: {"radix_cache_backend": b.radix_backend or "default", "hints": b.hints,
+                                    "host_spill": b.spill, "schedule_policy": b.schedule_policy,
+                                    "hicache_write_policy": b.hicache_write_policy}
+                                for n, b in BACKENDS.items()}},
         "backends": backends,
         "comparison": compare(backends),
         "requests": {"columns": list(ROW_COLUMNS), **rows},

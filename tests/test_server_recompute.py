@@ -1,7 +1,7 @@
 """The real-server benchmark (bench/server_recompute.py) in quick mode: behaviour only.
 
-Runs a tiny agent trace (forks, tool pauses, closes, an abort) against fresh stock SGLang, host
-write-back and agentcache CPU servers, and checks that all served every request without failures,
+Runs a tiny agent trace (forks, tool pauses, closes, an abort) against fresh stock SGLang, stock SGLang
+with its own HiCache (both write policies), our write-back emulation and agentcache CPU servers, and checks that all served every request without failures,
 that every backend with a host tier got the same one, that the JSON carries every section and that
 computed = input - cached per backend (and agrees with the server log's own prefill count). Never
 timing, never a ratio (that is the full run's claim).
@@ -50,17 +50,23 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     assert result["mode"] == "quick"
     stats = result["config"]["trace_stats"]
     assert stats["fork_branches"] > 0 and stats["resumes"] > 0 and stats["events"] > 0
-    names = {"stock", "stock-lpm", "hicache", "hicache-lpm", "agentcache", "agentcache-lpm"}
+    names = {"stock", "stock-lpm", "hicache-wb", "hicache-wb-lpm", "hicache-wt-lpm", "emulated-wb-lpm", "agentcache",
+             "agentcache-lpm"}
     assert set(result["backends"]) == names
     b = result["backends"]
     assert b["stock"]["host_tokens"] == b["stock-lpm"]["host_tokens"] == 0
     assert len({b[n]["host_tokens"] for n in names if not n.startswith("stock")} - {0}) == 1  # equal host bytes
+    backends = result["config"]["backends"]
+    assert {n for n, x in backends.items() if x["hicache_write_policy"]} == {"hicache-wb", "hicache-wb-lpm",
+                                                                            "hicache-wt-lpm"}
+    assert all(backends[n]["radix_cache_backend"] == "default" for n in names if n.startswith("hicache"))
     assert len({x["pool_tokens"] for x in b.values()}) == 1  # equal memory
     policies = {n: x["schedule_policy"] for n, x in b.items()}
     assert policies == {n: "lpm" if n.endswith("-lpm") else "fcfs" for n in names}
     cmp = result["comparison"]
-    assert set(cmp) == {"agentcache / hicache-lpm", "agentcache-lpm / hicache-lpm", "agentcache / hicache",
-                        "agentcache / stock", "agentcache / stock-lpm"}
+    assert set(cmp) == {"agentcache / hicache-wb-lpm", "agentcache / hicache-wt-lpm", "agentcache-lpm / hicache-wb-lpm",
+                        "agentcache / hicache-wb", "agentcache / emulated-wb-lpm", "agentcache / stock",
+                        "agentcache / stock-lpm", "emulated-wb-lpm / hicache-wb-lpm"}
     for other in cmp.values():
         assert other["extra_failures"] == 0
         for measure in ("computed", "jct", "resume_ttft_p50", "resume_ttft_p99"):
@@ -101,8 +107,9 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
             # (besides the idle sweep's and re-pricings, which the server's clock and pace decide)
             assert sum(p["pause_decisions"].values()) - p["extra_pause_decisions"] == stats["tool_calls"], p
             assert p["check_ok"] is True, p
-    assert result["backends"]["stock"]["pause_decisions"] == {}  # stock never sees our routes
-    for hicache in (result["backends"]["hicache"], result["backends"]["hicache-lpm"]):
-        # no hints: no pause, no branch; only the node spill
-        assert hicache["pause_decisions"] == {} and hicache["control_errors"] == 0
-        assert hicache["agentcache"]["stats"]["spill"]["enabled"] is True
+    for name in ("stock", "hicache-wb", "hicache-wb-lpm", "hicache-wt-lpm"):  # stock SGLang never sees our routes
+        assert result["backends"][name]["pause_decisions"] == {}, name
+    emulated = result["backends"]["emulated-wb-lpm"]
+    # no hints: no pause, no branch; only the node spill
+    assert emulated["pause_decisions"] == {} and emulated["control_errors"] == 0
+    assert emulated["agentcache"]["stats"]["spill"]["enabled"] is True
