@@ -170,13 +170,14 @@ def test_an_armed_transfer_failure_is_not_dodged_by_a_copy_made_ahead(monkeypatc
 
 
 def test_the_switch(monkeypatch):
-    """On by default where the worker's path has run (CPU here, CUDA in bench/gpu/side_stream_check.py on
-    an H200), off on a device it never ran on."""
+    """On by default on CUDA (the worker's own stream beside the forward; bench/gpu/side_stream_check.py
+    on an H200); off on CPU, where the copy takes a core the forward needs, and on devices it never ran on."""
     monkeypatch.delenv(COPY_AHEAD_ENV, raising=False)
-    assert copy_ahead_wanted("cpu") and copy_ahead_wanted("cuda") and not copy_ahead_wanted("xpu")
+    assert copy_ahead_wanted("cuda") and not copy_ahead_wanted("cpu") and not copy_ahead_wanted("xpu")
 
 
-@pytest.mark.parametrize("value, device, wanted", [("1", "xpu", True), ("0", "cuda", False), ("0", "cpu", False), ("auto", "cpu", True)])
+@pytest.mark.parametrize("value, device, wanted", [("1", "xpu", True), ("0", "cuda", False), ("0", "cpu", False),
+                                                   ("auto", "cpu", False), ("1", "cpu", True)])
 def test_the_switch_from_the_environment(monkeypatch, value, device, wanted):
     monkeypatch.setenv(COPY_AHEAD_ENV, value)
     assert copy_ahead_wanted(device) is wanted

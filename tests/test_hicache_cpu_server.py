@@ -6,7 +6,8 @@ SGLang (no ``--radix-cache-backend``) with HiCache on and check what an operator
 out of the device pool comes back from host (``meta_info.cached_tokens_details``), under both write
 policies and both direct layouts; with ``--hicache-storage-backend file``, a prefix pushed out of host
 too comes back from L3, also after a restart. Each hit must give the *same* logprobs as a device hit
-of the same prompt: the copies carry the KV bytes exactly, not just a count.
+of the same prompt: the copies carry the KV bytes exactly, not just a count. With tenancy on, two
+tenants sending the same prompt through one shared L3 store get no hit on each other's pages.
 """
 
 from __future__ import annotations
@@ -166,3 +167,39 @@ def test_a_prefix_evicted_from_host_comes_back_from_file_storage_also_after_a_re
         after_restart = _generate(srv, prompt)
         assert after_restart["cached_tokens_details"]["storage"] == stored
         assert _logprobs(after_restart) == _logprobs(device_hit)
+
+
+@pytest.mark.server
+def test_two_tenants_sending_the_same_prompt_share_no_l3_page(tiny_model, tokens, tmp_path):
+    """Tenancy binds each tenant's requests to its own ``cache_salt``, and SGLang seeds every L3 page
+    key's hash chain with it: one tenant's prompt, pushed out to the shared ``file`` store, is no L3 hit
+    for another tenant sending the same tokens, and remains one for its own tenant."""
+    from sgl_agentcache.tenancy import key_digest
+
+    keys = {"acme": "ak-acme-l3-test-key-0123456789", "globex": "ak-globex-l3-test-key-0123456789"}
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("".join(f'[tenants.{name}]\nkeys = ["{key_digest(key)}"]\n\n' for name, key in keys.items()))
+    store = tmp_path / "l3"
+    store.mkdir()
+    flags = ("--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size", "16")
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store), "AGENTCACHE_TENANTS": str(tenants),
+           "AGENTCACHE_SECRET": "s" * 48}
+    stored = PROMPT_TOKENS // 16 * 16
+    prompt = tokens.ids(PROMPT_TOKENS)
+
+    def generate(srv, tenant, ids):
+        status, reply = srv.request("POST", "/generate", {
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}},
+            headers={"x-agentcache-key": keys[tenant]})
+        assert status == 200, reply
+        return reply["meta_info"]
+
+    with _hicache_server(tiny_model, tmp_path / "sglang.log", *flags, env=env).start() as srv:
+        generate(srv, "acme", prompt)
+        assert generate(srv, "acme", prompt)["cached_tokens_details"]["device"] == stored
+        for _ in range(10):  # out of the device pool and out of host: only L3 holds acme's pages now
+            generate(srv, "acme", tokens.ids(PROMPT_TOKENS))
+        other = generate(srv, "globex", prompt)
+        assert other["cached_tokens"] == 0, other["cached_tokens_details"]
+        own = generate(srv, "acme", prompt)
+        assert own["cached_tokens_details"]["storage"] == stored, own["cached_tokens_details"]

@@ -17,9 +17,12 @@ the copy). Copies made ahead wait in host memory outside the host tier's capacit
 ``AGENTCACHE_COPY_AHEAD_TOKENS`` (staging, like HiCache's write buffers); one that eviction no longer
 ranks next is dropped at the next planning step.
 
-``AGENTCACHE_COPY_AHEAD``: ``auto`` (default: on for CPU and CUDA pools, off for other devices), ``1``
-on, ``0`` off. The CPU path is what tests/test_copy_ahead.py and the server tests run; the CUDA path (the
-worker on its own stream, its device set) is checked on a GPU by ``bench/gpu/side_stream_check.py``.
+``AGENTCACHE_COPY_AHEAD``: ``auto`` (default: on for CUDA pools, off for CPU and other devices), ``1``
+on, ``0`` off. On CUDA the worker's copy runs on a stream of its own beside the forward pass; on a CPU
+pool it takes a core the forward pass needs, and the real-server benchmark measured it costing more
+than it saves (bench/README.md, "Where ours loses"), so ``auto`` leaves it off there.
+tests/test_copy_ahead.py runs the CPU path with the switch on; the CUDA path (the worker on its own
+stream, its device set) is checked on a GPU by ``bench/gpu/side_stream_check.py``.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ FULL = ComponentType.FULL
 COPY_AHEAD_ENV = "AGENTCACHE_COPY_AHEAD"
 COPY_AHEAD_TOKENS_ENV = "AGENTCACHE_COPY_AHEAD_TOKENS"
 _CANDIDATES = 64  # leaves ranked per planning step (the budget usually stops well before)
+#: Pool devices ``auto`` turns copy-ahead on for: CUDA only (see the module docstring).
+AUTO_DEVICE_TYPES = ("cuda",)
 
 
 def copy_ahead_wanted(kv_device: torch.device | str | None) -> bool:
     """Whether copy-ahead runs for a pool on ``kv_device`` (see ``AGENTCACHE_COPY_AHEAD``)."""
-    return wanted(COPY_AHEAD_ENV, kv_device)
+    return wanted(COPY_AHEAD_ENV, kv_device, AUTO_DEVICE_TYPES)
 
 
 @dataclass

@@ -23,15 +23,16 @@ import torch
 CHECKED_DEVICE_TYPES = ("cpu", "cuda")
 
 
-def wanted(env: str, kv_device) -> bool:
+def wanted(env: str, kv_device, device_types: tuple[str, ...] = CHECKED_DEVICE_TYPES) -> bool:
     """An ``auto`` / ``1`` / ``0`` switch for a worker-thread feature: ``auto`` (the default) is on for
-    pools on a device type in :data:`CHECKED_DEVICE_TYPES` and off for any other."""
+    pools on a device type in ``device_types`` (:data:`CHECKED_DEVICE_TYPES` unless the feature narrows
+    it) and off for any other."""
     mode = os.environ.get(env, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{env} must be auto, 0 or 1, not {mode!r}")
     if mode != "auto":
         return mode == "1"
-    return torch.device(kv_device or "cpu").type in CHECKED_DEVICE_TYPES
+    return torch.device(kv_device or "cpu").type in device_types
 
 
 class TransferWorker:
