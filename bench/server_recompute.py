@@ -17,6 +17,8 @@ same host tier:
   order and no pause machinery runs. Kept beside the real HiCache to show how far the emulation is from it;
 - ``agentcache``: ours, lifecycle hints on every call, the same host tier bytes and node spill.
 
+A ``-lpm`` suffix: the same under SGLang's ``--schedule-policy lpm`` (the others run ``fcfs``).
+
 Per request it records the input tokens, ``meta_info.cached_tokens`` and so the prefill tokens actually
 computed (``input - cached``), the time to first token (``/generate`` streamed), the HTTP latency and
 the status; a request is a *resume* when its branch's previous call ended in a tool call. Per pass:
@@ -63,7 +65,7 @@ then the time a call waits for a free client, as on a saturated server. Latencie
 CPU: they rank the backends on this machine, they are not GPU figures.
 
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py [--quick] [--out DIR]``
-(default ``bench/results``; about 15 minutes, ``--quick`` about 2).
+(default ``bench/results``; about 30 minutes, ``--quick`` about 4).
 """
 
 from __future__ import annotations

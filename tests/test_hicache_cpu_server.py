@@ -66,7 +66,8 @@ def test_direct_page_first_round_trip_matches_the_device_rows(page_size):
     for layer in range(layers):
         t = int(host_idx[0])
         assert torch.equal(host_k[t // page_size, layer, t % page_size], device_k[layer][int(device_idx[0])])
-    back_k, back_v = [torch.zeros(tokens, 2, 4) for _ in range(layers)], [torch.zeros(tokens, 2, 4) for _ in range(layers)]
+    back_k = [torch.zeros(tokens, 2, 4) for _ in range(layers)]
+    back_v = [torch.zeros(tokens, 2, 4) for _ in range(layers)]
     target = torch.arange(2 * page_size)
     for layer in range(layers):
         shim.transfer_kv_per_layer_direct_pf_lf([host_k, host_v], [back_k[layer], back_v[layer]], host_idx, target,

@@ -1,8 +1,9 @@
 """The real-server benchmark (bench/server_recompute.py) in quick mode: behaviour only.
 
 Runs a tiny agent trace (forks, tool pauses, closes, an abort) against fresh stock SGLang, stock SGLang
-with its own HiCache (both write policies), our write-back emulation and agentcache CPU servers, and checks that all served every request without failures,
-that every backend with a host tier got the same one, that the JSON carries every section and that
+with its own HiCache (both write policies), our write-back emulation and agentcache CPU servers, and
+checks that all served every request without failures, that every backend with a host tier got the
+same one, that the JSON carries every section and that
 computed = input - cached per backend (and agrees with the server log's own prefill count). Never
 timing, never a ratio (that is the full run's claim).
 """
