@@ -249,8 +249,7 @@ def _server(body: dict) -> list[str]:
                    f"{x['failures']} | {x['jct_s']:.1f} | {q['p50']:.3f} / {q['p99']:.3f}")
     out.append("")
     for pair, c in body["comparison"].items():
-        parts = [f"{k.replace('_', ' ')} {v['mean']:.2f}x [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] {v['verdict']}"
-                 for k, v in c.items() if isinstance(v, dict)]
+        parts = [f"{k.replace('_', ' ')} {_passwise(v)} {v['verdict']}" for k, v in c.items() if isinstance(v, dict)]
         out.append(f"- {_pair(pair)}, pass by pass (95% CI): " + "; ".join(parts) + ".")
     return out + [""]
 
@@ -275,9 +274,8 @@ def _cluster(body: dict) -> list[str]:
     out.append("")
     for pair, c in body["comparison"].items():
         computed, jct = c["computed"], c["jct"]
-        out.append(f"- {pair}, pass by pass (95% CI): prefill computed {computed['mean']:.2f}x "
-                   f"[{computed['ci95'][0]:.2f}, {computed['ci95'][1]:.2f}] {computed['verdict']}; JCT "
-                   f"{jct['mean']:.2f}x [{jct['ci95'][0]:.2f}, {jct['ci95'][1]:.2f}] {jct['verdict']}.")
+        out.append(f"- {pair}, pass by pass (95% CI): prefill computed {_passwise(computed)} {computed['verdict']}; "
+                   f"JCT {_passwise(jct)} {jct['verdict']}.")
     return out + [""]
 
 
@@ -313,6 +311,11 @@ def _hicache_emulation(body: dict) -> list[str]:
             f"prefill computed {h['computed_tokens']['replay']:,} (replay) / {h['computed_tokens']['server']:,} "
             f"(server) = {h['computed_ratio_replay_over_server']:.3f}x over {h['calls_compared']} calls, "
             f"{verdict} the 5% target.", ""]
+
+
+def _passwise(v: dict) -> str:
+    """A pass-by-pass ratio of server_recompute.json or cluster_recompute.json: ``0.91x [0.88, 0.94]``."""
+    return f"{v['mean']:.2f}x [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]"
 
 
 def _pair(key: str) -> str:
@@ -460,9 +463,8 @@ def _server_summary(body: dict) -> list[str]:
     parts = []
     for pair, c in body["comparison"].items():
         computed, jct = c["computed"], c["jct"]
-        parts.append(f"{_pair(pair)}: prefill computed {computed['mean']:.2f}x [{computed['ci95'][0]:.2f}, "
-                     f"{computed['ci95'][1]:.2f}] ({computed['verdict']}), JCT {jct['mean']:.2f}x "
-                     f"[{jct['ci95'][0]:.2f}, {jct['ci95'][1]:.2f}] ({jct['verdict']})")
+        parts.append(f"{_pair(pair)}: prefill computed {_passwise(computed)} ({computed['verdict']}), "
+                     f"JCT {_passwise(jct)} ({jct['verdict']})")
     return [f"Real CPU server (`{cfg['workload']}` trace, {cfg['pool_tokens']}-token pool, host tier "
             f"{cfg['host_tokens']} tokens for every backend that has one, {cfg['passes']} interleaved passes; "
             "`-lpm`: SGLang's `--schedule-policy lpm`, else `fcfs`): " + "; ".join(parts) + ".", ""]
@@ -502,8 +504,10 @@ def _block(text: str) -> str | None:
 
 TARGETS = {ROOT / "README.md": render_summary, ROOT / "bench" / "README.md": render}
 HISTORY = re.compile(r"<!-- history -->.*?<!-- /history -->", re.S)
-#: A ratio written as a figure (``0.93x``) or a two-number interval (``[0.92, 0.94]``, ``[-0.04, 2.64]``).
-FIGURE = re.compile(r"(?<![\w.])-?\d+\.\d+x|\[-?\d+\.\d+, -?\d+\.\d+\]")
+#: A two-number interval (``[0.92, 0.94]``, ``[-0.04, 2.64]``).
+INTERVAL = re.compile(r"\[-?\d+\.\d+, -?\d+\.\d+\]")
+#: A ratio written as a figure (``0.93x``) or an interval.
+FIGURE = re.compile(r"(?<![\w.])-?\d+\.\d+x|" + INTERVAL.pattern)
 NUMBER = re.compile(r"-?\d+\.\d+")
 
 
@@ -511,9 +515,8 @@ def stale_prose_figures(text: str, generated: str) -> list[str]:
     """The figures of ``text``'s prose (outside its generated block and its history regions) that no
     generated block shows: an interval must appear as written in ``generated`` (the blocks' text), a
     ratio's number among its numbers outside intervals. Returns them with their line numbers (pure)."""
-    interval = re.compile(r"\[-?\d+\.\d+, -?\d+\.\d+\]")
-    intervals = set(interval.findall(generated))
-    shown = set(NUMBER.findall(interval.sub(" ", generated)))  # a ratio, not an interval's bound
+    intervals = set(INTERVAL.findall(generated))
+    shown = set(NUMBER.findall(INTERVAL.sub(" ", generated)))  # a ratio, not an interval's bound
     block = _block(text) or ""
     prose = text.replace(block, "\n" * block.count("\n")) if block else text
     prose = HISTORY.sub(lambda m: "\n" * m.group(0).count("\n"), prose)

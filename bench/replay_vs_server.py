@@ -123,26 +123,32 @@ def run_server(model, trace, plan, cfg: dict, profile_path: Path, log_dir: Path)
     server = CpuServer(str(model.path), backend="agentcache", log_path=log_dir / "server.log",
                        max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env,
                        extra_args=("--schedule-policy", "fcfs"))
-    with server.start():
-        rep = single.Replayer(server, trace, plan, model.vocab_size, cfg, agent=True)
-        rep.run()
-    return rep
+    return _play(server, model, trace, plan, cfg, agent=True)
 
 
 def run_hicache_server(model, trace, plan, cfg: dict, log_dir: Path) -> single.Replayer:
     """The same trace on stock SGLang with its own HiCache (write-back, the same host tokens; the
     server_recompute ``hicache-wb`` configuration), no hints."""
-    server = single.start_server("hicache-wb", model, cfg, log_dir)
+    return _play(single.start_server("hicache-wb", model, cfg, log_dir), model, trace, plan, cfg, agent=False)
+
+
+def _play(server: CpuServer, model, trace, plan, cfg: dict, agent: bool) -> single.Replayer:
+    """Start ``server``, play the trace against it, stop it; the replayer holds the rows."""
     with server.start():
-        rep = single.Replayer(server, trace, plan, model.vocab_size, cfg, agent=False)
+        rep = single.Replayer(server, trace, plan, model.vocab_size, cfg, agent=agent)
         rep.run()
     return rep
+
+
+def _served_rows(rep: single.Replayer) -> dict:
+    """The server's rows of the calls it answered, by call id."""
+    return {row["id"]: row for row in rep.rows.values() if row["status"] == 200}
 
 
 def hicache_check(trace, rep: single.Replayer, sim) -> dict:
     """The replay's ``hicache`` policy (our write-back emulation) against SGLang's real HiCache on the
     same trace: prefill tokens computed over the calls both served, and their ratio."""
-    rows = {row["id"]: row for row in rep.rows.values() if row["status"] == 200}
+    rows = _served_rows(rep)
     both = [r for r in trace.requests if r.id in rows and r.id in sim.calls]
     server = sum(rows[r.id]["input"] - rows[r.id]["cached"] for r in both)
     replayed = sum(r.input_tokens - sim.calls[r.id].cached_tokens for r in both)
@@ -154,7 +160,7 @@ def hicache_check(trace, rep: single.Replayer, sim) -> dict:
 def compare(trace, rep: single.Replayer, sim, overhead_s: float) -> dict:
     """Per call (matched by id): TTFT from receipt on both sides, cached tokens; and the summaries.
     ``overhead_s``: the measured fixed cost per call, added to the replay's TTFTs in a second ratio."""
-    rows = {row["id"]: row for row in rep.rows.values() if row["status"] == 200}
+    rows = _served_rows(rep)
     calls = []
     for r in trace.requests:
         s, call = rows.get(r.id), sim.calls.get(r.id)
