@@ -86,17 +86,29 @@ def measure_profile(server: CpuServer, vocab: int, cfg: dict) -> tuple[Profile, 
     fresh = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
     _ttft(server, fresh(64), 1)  # warm
     points = [(n, statistics.median(_ttft(server, fresh(n), 1)[0] for _ in range(3))) for n in cfg["prompt_lengths"]]
-    xs, ys = [n for n, _ in points], [t for _, t in points]
-    slope, intercept = statistics.linear_regression(xs, ys)
+    slope, intercept, fit = fit_prefill(points)
     ttft, total = _ttft(server, fresh(64), 65)
     decode = (total - ttft) / 64
     shape = SHAPES[cfg["model_shape"]]
     kv_bytes = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 4  # float32 K and V
     copy_rate = _memcpy_bytes_per_s()
     profile = Profile(f"cpu-{cfg['model_shape']}-measured", kv_bytes, 1.0 / slope, decode, copy_rate, copy_rate)
-    return profile, {"prefill_points_s": [[n, round(t, 4)] for n, t in points],
+    return profile, {"prefill_points_s": [[n, round(t, 4)] for n, t in points], "prefill_fit": fit,
                      "per_call_overhead_s": round(intercept, 4), "decode_s_per_token": round(decode, 5),
                      "memcpy_bytes_per_s": round(copy_rate)}
+
+
+def fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, str]:
+    """(seconds per prompt token > 0, per-call overhead in s, how it was fitted) from (prompt length,
+    TTFT) points: the least-squares line. On a tiny model the prefill can hide in per-call noise and
+    the line come out flat or falling; a profile needs a positive rate (the server refuses any other),
+    so then the longest prompt's TTFT is charged to its tokens (overhead 0: a lower bound on the rate)."""
+    xs, ys = [n for n, _ in points], [t for _, t in points]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    if slope > 0:
+        return slope, intercept, "least squares"
+    longest = max(range(len(xs)), key=xs.__getitem__)
+    return ys[longest] / xs[longest], 0.0, "longest prompt (least-squares slope not positive)"
 
 
 def _memcpy_bytes_per_s() -> float:

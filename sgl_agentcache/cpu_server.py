@@ -219,8 +219,10 @@ class CpuServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # The tail goes into the error: a CI run keeps the test's output, not its temporary log.
+                tail = self.log_tail(25)
                 raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} during start-up; "
-                                   f"see {self.log_path}")
+                                   f"see {self.log_path}; its last lines:\n{tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:

@@ -126,6 +126,8 @@ class Soak:
         serial = 0
         s: _Session | None = None
         abandoned: list[str] = []
+        # Two turns take the first session past the 200 tokens a pause needs (system 64 + 120 + 2 x 20).
+        opening = ["turn", "turn", "pause", "prefetch", "fork", "close_fork"]
         while time.monotonic() < deadline:
             if s is None or len(s.history) > MAX_PROMPT:
                 if s is not None:
@@ -135,8 +137,11 @@ class Soak:
                 prompt = self.system + ids(120)
                 s.history = prompt + (self._gen(rng, s.name, "main", prompt) or [])
                 continue
-            op = rng.choices(["turn", "fork", "pause", "close_fork", "abort", "dup_close", "race", "abandon", "fault",
-                              "prefetch"], weights=[5, 2, 2, 1, 1, 1, 1, 1, 1 if self.faults else 0, 1])[0]
+            if opening:  # every worker covers pause -> prefetch -> resume however slow the machine is
+                op = opening.pop(0)
+            else:
+                op = rng.choices(["turn", "fork", "pause", "close_fork", "abort", "dup_close", "race", "abandon",
+                                  "fault", "prefetch"], weights=[5, 2, 2, 1, 1, 1, 1, 1, 1 if self.faults else 0, 1])[0]
             if op == "turn":
                 prompt = s.history + ids(rng.randrange(20, 80))
                 out = self._gen(rng, s.name, "main", prompt)

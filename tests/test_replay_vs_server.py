@@ -39,3 +39,15 @@ def test_quick_run_compares_every_call(tmp_path):
     assert h["computed_ratio_replay_over_server"] == round(h["computed_tokens"]["replay"]
                                                            / h["computed_tokens"]["server"], 4)
     assert isinstance(h["within_5_percent"], bool)
+
+
+def test_prefill_fit_never_gives_a_non_positive_rate():
+    """A noisy tiny-model measurement (CI saw TTFT fall with prompt length) must still give the server a
+    profile it accepts: the fit falls back to the longest prompt's own rate and says so."""
+    fit_prefill = load_bench("replay_vs_server").fit_prefill
+    slope, overhead, how = fit_prefill([(n, 0.005 + n * 1e-5) for n in (128, 512, 1024)])
+    assert how == "least squares" and slope == pytest.approx(1e-5) and overhead == pytest.approx(0.005)
+    slope, overhead, how = fit_prefill([(128, 0.030), (512, 0.020), (1024, 0.012)])
+    assert how.startswith("longest prompt") and slope == pytest.approx(0.012 / 1024) and overhead == 0.0
+    slope, _, how = fit_prefill([(128, 0.02), (512, 0.02), (1024, 0.02)])
+    assert how.startswith("longest prompt") and slope > 0
