@@ -15,7 +15,10 @@ same host tier:
   node-granular host tier, exclusive: an entry leaves host when loaded back): the ``agentcache`` backend
   with ``AGENTCACHE_HOST_SPILL=1`` and requests *without* lifecycle hints, so its tree keeps stock LRU
   order and no pause machinery runs. Kept beside the real HiCache to show how far the emulation is from it;
-- ``agentcache``: ours, lifecycle hints on every call, the same host tier bytes and node spill.
+- ``agentcache``: ours, lifecycle hints on every call, the same host tier bytes and node spill;
+- ``agentcache-hicache-lpm``: ours on SGLang's own HiCache (write-back, the same host tokens in its host
+  pool; our own host tier off), under ``lpm``: the measurement issue #36 asks for before our host tier
+  may go.
 
 A ``-lpm`` suffix: the same under SGLang's ``--schedule-policy lpm`` (the others run ``fcfs``).
 
@@ -64,8 +67,9 @@ clock the pressure would depend on how fast this shared 2-core machine happens t
 then the time a call waits for a free client, as on a saturated server. Latencies are real but on a
 CPU: they rank the backends on this machine, they are not GPU figures.
 
-Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py [--quick] [--out DIR]``
-(default ``bench/results``; about 30 minutes, ``--quick`` about 4).
+Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py [--quick] [--out DIR]
+[--backends a,b,...]`` (default ``bench/results``; about 35 minutes for every backend, ``--quick`` about
+5; a subset writes ``server_recompute-<a+b+...>.json`` beside the full run's file).
 """
 
 from __future__ import annotations
@@ -115,12 +119,15 @@ BACKENDS = {"stock": Backend(None, False, False, "fcfs"), "stock-lpm": Backend(N
             "hicache-wt-lpm": Backend(None, False, False, "lpm", "write_through"),
             "emulated-wb-lpm": Backend("agentcache", False, True, "lpm"),
             "agentcache": Backend("agentcache", True, True, "fcfs"),
-            "agentcache-lpm": Backend("agentcache", True, True, "lpm")}
+            "agentcache-lpm": Backend("agentcache", True, True, "lpm"),
+            # Our lifecycle on SGLang's own HiCache (issue #36): its host pool, same host tokens.
+            "agentcache-hicache-lpm": Backend("agentcache", True, False, "lpm", "write_back")}
 #: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against SGLang's HiCache
 #: under lpm (the strongest baseline here). The last pair checks the replay's emulation against the real one.
 COMPARISONS = (("agentcache", "hicache-wb-lpm"), ("agentcache", "hicache-wt-lpm"), ("agentcache-lpm", "hicache-wb-lpm"),
                ("agentcache", "hicache-wb"), ("agentcache", "emulated-wb-lpm"), ("agentcache", "stock"),
-               ("agentcache", "stock-lpm"), ("emulated-wb-lpm", "hicache-wb-lpm"))
+               ("agentcache", "stock-lpm"), ("emulated-wb-lpm", "hicache-wb-lpm"),
+               ("agentcache-hicache-lpm", "hicache-wb-lpm"), ("agentcache-hicache-lpm", "agentcache-lpm"))
 #: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
 #: when pauses go through the route).
 ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "ttft_s", "latency_s",
@@ -523,7 +530,7 @@ def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
 
 COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache-wb": "#e08a2c", "hicache-wb-lpm": "#b05f10",
            "hicache-wt-lpm": "#8a4a0c", "emulated-wb-lpm": "#d8b26a", "agentcache": "#2b7bba",
-           "agentcache-lpm": "#164f80"}
+           "agentcache-lpm": "#164f80", "agentcache-hicache-lpm": "#2e9e6b"}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -537,7 +544,7 @@ def plot(result: dict, path: Path) -> None:
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 5.2))
     computed = [statistics.fmean(p["computed_tokens"] for p in b[n]["passes"]) for n in names]
     left.bar(names, computed, color=[COLOURS[n] for n in names])
-    left.axhline(b["stock"]["ideal_computed_tokens"], color="green", ls=":", lw=1, label="never-evicting cache")
+    left.axhline(b[names[0]]["ideal_computed_tokens"], color="green", ls=":", lw=1, label="never-evicting cache")
     for x, c in enumerate(computed):
         left.text(x, c, f"{c:,.0f}", ha="center", va="bottom", fontsize=9)
     left.set_ylabel("prefill tokens computed (mean of passes)")
@@ -637,8 +644,8 @@ def compare(backends: dict) -> dict:
     """Each pair of :data:`COMPARISONS` (key ``"ours / theirs"``), pass by pass (same pass index: both
     saw the same trace from a flushed cache, in the same round of interleaved passes): the mean ratio
     of each measure with its 95% interval, "better"/"worse" only when the interval excludes 1. Plus
-    extra failures over all passes (must be 0)."""
-    return {f"{a} / {b}": paired(backends[a], backends[b]) for a, b in COMPARISONS}
+    extra failures over all passes (must be 0). Pairs with a backend that did not run are left out."""
+    return {f"{a} / {b}": paired(backends[a], backends[b]) for a, b in COMPARISONS if a in backends and b in backends}
 
 
 def paired(ours: dict, theirs: dict) -> dict:
@@ -658,7 +665,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, help="passes of the trace per server (default: full 6, quick 2)")
     ap.add_argument("--pause-via", choices=("hint", "route"), default="hint",
                     help="how a call that ends in a tool pauses its branch (see the module docstring)")
+    ap.add_argument("--backends", help="comma-separated subset of the backends (default: all); the results "
+                                       "then go to server_recompute-<subset>.json, the full run's file stays")
     args = ap.parse_args(argv)
+    names = list(BACKENDS) if args.backends is None else [n.strip() for n in args.backends.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(BACKENDS))
+    if unknown or not names:
+        ap.error(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)}")
+    stem = "server_recompute" if args.backends is None else "server_recompute-" + "+".join(names)
     mode = "quick" if args.quick else "full"
     cfg = MODES[mode] | {"pause_via": args.pause_via} | ({"passes": args.passes} if args.passes is not None else {})
     if cfg["passes"] < 1:
@@ -672,14 +686,15 @@ def main(argv: list[str] | None = None) -> int:
         trace, dropped = fit_context(generate("branch_heavy", seed=cfg["seed"], **cfg["trace"]),
                                      cfg["context_length"], cfg["output_cap"])
         plan = build_plan(trace)
-        backends, rows = run_interleaved(list(BACKENDS), model, trace, plan, cfg, log_dir)
+        backends, rows = run_interleaved(names, model, trace, plan, cfg, log_dir)
         if args.log_dir:
             print(f"[server_recompute] server logs in {log_dir}")
     result = {
         "benchmark": "server_recompute", "mode": mode,
         "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py" + " --quick" * args.quick
                    + " --pause-via route" * (args.pause_via == "route")
-                   + (f" --passes {args.passes}" if args.passes is not None else ""),
+                   + (f" --passes {args.passes}" if args.passes is not None else "")
+                   + (f" --backends {','.join(names)}" if args.backends is not None else ""),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "sglang": _version("sglang"), "torch": _version("torch")},
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},
@@ -688,13 +703,13 @@ def main(argv: list[str] | None = None) -> int:
                    "backends": {n: {"radix_cache_backend": b.radix_backend or "default", "hints": b.hints,
                                     "host_spill": b.spill, "schedule_policy": b.schedule_policy,
                                     "hicache_write_policy": b.hicache_write_policy}
-                                for n, b in BACKENDS.items()}},
+                                for n, b in BACKENDS.items() if n in names}},
         "backends": backends,
         "comparison": compare(backends),
         "requests": {"columns": list(ROW_COLUMNS), **rows},
     }
-    (out / "server_recompute.json").write_text(dump_json(result))
-    plot(result, out / "server_recompute.png")
+    (out / f"{stem}.json").write_text(dump_json(result))
+    plot(result, out / f"{stem}.png")
     print_table(result)
     return 0
 

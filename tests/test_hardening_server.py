@@ -120,13 +120,11 @@ GREEDY = {"max_new_tokens": 1, "temperature": 0.0}
 @pytest.mark.parametrize("args, env, needle", [
     pytest.param(("--dp-size", "2"), {}, "does not support data parallelism", id="dp-2"),
     pytest.param(("--tokenizer-worker-num", "2"), {}, "does not support --tokenizer-worker-num 2", id="workers-2"),
-    pytest.param(("--enable-hierarchical-cache",), {}, "does not support --enable-hierarchical-cache",
-                 id="hicache"),
 ])
 def test_unsupported_deployments_refuse_to_start_with_the_reason(tiny_model, tmp_path, args, env, needle):
-    """DP > 1 (each rank its own tree, control replies from the first rank only), several tokenizer
-    workers (one process holds the coordinator and the tenancy state) and HiCache (it would keep what
-    our closes and offloads free; issue #22 item 14) stop start-up, saying why."""
+    """DP > 1 (each rank its own tree, control replies from the first rank only) and several
+    tokenizer workers (one process holds the coordinator and the tenancy state) stop start-up, saying
+    why."""
     srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", extra_args=args, env=env)
     try:
         with pytest.raises(RuntimeError, match="exited"):

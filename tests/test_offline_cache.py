@@ -432,23 +432,21 @@ def test_quotas_bound_fairness_not_a_branchs_context():
     assert_idle_ok(driver)
 
 
-@pytest.mark.parametrize("hicache, pp_size, needle", [
-    (True, 1, "--enable-hierarchical-cache"), (False, 2, "pipeline parallelism"), (False, 1, None),
-])
-def test_unsupported_deployments_are_refused_by_the_backend_factory_too(hicache, pp_size, needle):
-    """HiCache beside our tier (issue #22 item 14) and pipeline stages the transfer agreement does not
-    cover (item 11) are refused at start-up (server/topology.py) and, for a scheduler built any other
-    way, by the backend factory before anything is built."""
+@pytest.mark.parametrize("pp_size, needle", [(2, "pipeline parallelism"), (1, None)])
+def test_unsupported_deployments_are_refused_by_the_backend_factory_too(pp_size, needle):
+    """Pipeline stages the transfer agreement does not cover (issue #22 item 11) are refused at
+    start-up (server/topology.py) and, for a scheduler built any other way, by the backend factory
+    before anything is built. HiCache is not refused any more (issue #36: the lifecycle runs on it)."""
     from types import SimpleNamespace
 
     from sgl_agentcache.server.cache import agentcache_factory
     from sgl_agentcache.server.topology import UnsupportedTopology, refusal
 
-    reason = refusal("agentcache", 1, 1, 1, False, hierarchical_cache=hicache, pp_size=pp_size)
+    reason = refusal("agentcache", 1, 1, 1, False, pp_size=pp_size)
     assert reason is None if needle is None else needle in reason
-    assert refusal(None, 1, 1, 1, False, hierarchical_cache=hicache, pp_size=pp_size) is None  # not ours
+    assert refusal(None, 1, 1, 1, False, pp_size=pp_size) is None  # not ours
     if needle is not None:
-        ctx = SimpleNamespace(disable_radix_cache=False, enable_hierarchical_cache=hicache,
+        ctx = SimpleNamespace(disable_radix_cache=False, enable_hierarchical_cache=False,
                               params=SimpleNamespace(pp_size=pp_size))
         with pytest.raises(UnsupportedTopology, match=needle.replace("-", r"\-")):
             agentcache_factory(ctx)

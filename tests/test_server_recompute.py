@@ -52,14 +52,14 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     stats = result["config"]["trace_stats"]
     assert stats["fork_branches"] > 0 and stats["resumes"] > 0 and stats["events"] > 0
     names = {"stock", "stock-lpm", "hicache-wb", "hicache-wb-lpm", "hicache-wt-lpm", "emulated-wb-lpm", "agentcache",
-             "agentcache-lpm"}
+             "agentcache-lpm", "agentcache-hicache-lpm"}
     assert set(result["backends"]) == names
     b = result["backends"]
     assert b["stock"]["host_tokens"] == b["stock-lpm"]["host_tokens"] == 0
     assert len({b[n]["host_tokens"] for n in names if not n.startswith("stock")} - {0}) == 1  # equal host bytes
     backends = result["config"]["backends"]
     assert {n for n, x in backends.items() if x["hicache_write_policy"]} == {"hicache-wb", "hicache-wb-lpm",
-                                                                            "hicache-wt-lpm"}
+                                                                            "hicache-wt-lpm", "agentcache-hicache-lpm"}
     assert all(backends[n]["radix_cache_backend"] == "default" for n in names if n.startswith("hicache"))
     assert len({x["pool_tokens"] for x in b.values()}) == 1  # equal memory
     policies = {n: x["schedule_policy"] for n, x in b.items()}
@@ -67,7 +67,8 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     cmp = result["comparison"]
     assert set(cmp) == {"agentcache / hicache-wb-lpm", "agentcache / hicache-wt-lpm", "agentcache-lpm / hicache-wb-lpm",
                         "agentcache / hicache-wb", "agentcache / emulated-wb-lpm", "agentcache / stock",
-                        "agentcache / stock-lpm", "emulated-wb-lpm / hicache-wb-lpm"}
+                        "agentcache / stock-lpm", "emulated-wb-lpm / hicache-wb-lpm",
+                        "agentcache-hicache-lpm / hicache-wb-lpm", "agentcache-hicache-lpm / agentcache-lpm"}
     for other in cmp.values():
         assert other["extra_failures"] == 0
         for measure in ("computed", "jct", "resume_ttft_p50", "resume_ttft_p99"):
@@ -102,7 +103,10 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
         # Flushed: a later pass finds nothing of the earlier one, so it computes at least the ideal.
         assert all(p["computed_tokens"] >= b["ideal_computed_tokens"] and p["failures"] == 0 for p in b["passes"])
 
-    for ours in (result["backends"]["agentcache"], result["backends"]["agentcache-lpm"]):
+    on_hicache = result["backends"]["agentcache-hicache-lpm"]["agentcache"]["stats"]
+    assert on_hicache["hicache"]["attached"] is True and on_hicache["spill"]["enabled"] is False
+    for ours in (result["backends"]["agentcache"], result["backends"]["agentcache-lpm"],
+                 result["backends"]["agentcache-hicache-lpm"]):
         assert ours["control_errors"] == 0, ours["control_error_samples"]
         for p in ours["passes"]:  # every pause of every pass decided, and the tree clean after each pass
             # (besides the idle sweep's and re-pricings, which the server's clock and pace decide)
@@ -114,3 +118,9 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     # no hints: no pause, no branch; only the node spill
     assert emulated["pause_decisions"] == {} and emulated["control_errors"] == 0
     assert emulated["agentcache"]["stats"]["spill"]["enabled"] is True
+
+
+def test_a_subset_of_unknown_backends_is_refused():
+    bench = _load_bench()
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--backends", "stock,nope"])

@@ -45,12 +45,12 @@ from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, 
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, NodeClass, RecentBranches,
                                       namespace_key, namespace_salt)
 from sgl_agentcache.namespaced_lru import NamespacedLRU
-from sgl_agentcache.policy.retention import RetentionModel, device_rank
+from sgl_agentcache.policy.retention import Band, RetentionModel, device_rank, host_band
 from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.agreement import default_agreement
 from sgl_agentcache.server.async_load import AsyncLoads, async_load_wanted
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_TOKENS_ENV, CopyAhead, copy_ahead_wanted
-from sgl_agentcache.server.host_tier import HostTier
+from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
 from sgl_agentcache.server.pauses import PauseBook, default_settings, host_capacity_tokens
@@ -144,6 +144,10 @@ class AgentRadixCache(UnifiedRadixCache):
         self._retention: tuple | None = None  # (rates, model): see the retention property
         self._device_values: dict = {}  # the model's device value per class, looked up per candidate leaf
         self.set_host_spill(os.environ.get(HOST_SPILL_ENV, "1") == "1")
+        # Set by init_hicache when SGLang attaches HiCache (--enable-hierarchical-cache): its host pool,
+        # controller and L3 storage then carry the host bytes, and our own host tier stays empty.
+        self.on_hicache = False
+        self.hicache_deletes = {"device_tokens": 0, "host_tokens": 0, "backups_skipped_tokens": 0}
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # Every copy between the device and the host tier is followed by one agreement step, so a copy
         # that failed on one TP rank makes every rank take the fallback (see server/agreement.py).
@@ -160,6 +164,31 @@ class AgentRadixCache(UnifiedRadixCache):
         full = self.components[FULL]
         full.session_ref_eviction_strategy = lambda node: self.eviction_key(
             node, full.session_ref(node), base.get_priority(node))
+
+    def init_hicache(self, server_args, params) -> None:
+        """SGLang attaches HiCache after ``__init__`` (``registry.create_unified_radix_cache``). From here
+        on HiCache's host pool, cache controller and storage backend hold every host copy, and our
+        lifecycle decides what they hold: closes and purges delete a branch's nodes on the device and
+        in the host pool (never demote them), and a terminated node under eviction is deleted, not
+        backed up. Our own host tier (node spill, copy-ahead, async loads, eager offload room) is off:
+        two host tiers would copy the same tokens twice. Pauses are advice only (lazy) on this path."""
+        super().init_hicache(server_args, params)
+        self.on_hicache = True
+        if self.spill.enabled or os.environ.get(HOST_TOKENS_ENV):
+            logger.info("agentcache: HiCache attached; %s and %s are ignored (HiCache's host pool is the host tier)",
+                        HOST_SPILL_ENV, HOST_TOKENS_ENV)
+        self.set_host_spill(False)
+        self.copy_ahead.enabled = False
+        self.loads.enabled = False
+        self.pauses.host.capacity_tokens = 0
+        self.tree_core.backup_veto = self._no_host_copy
+        self.tree_core.mark_reclaim_due()
+
+    def _no_host_copy(self, node) -> bool:
+        """HiCache write-through asks whether to back ``node`` up: not a terminated node (nobody reads it
+        again), nor one of a branch over its quota (the TRIM band: the first to go on either tier)."""
+        state = node.agent
+        return state.terminated or (state.owner is not None and self.over_quota(state.owner))
 
     @property
     def retention(self) -> RetentionModel:
@@ -188,6 +217,8 @@ class AgentRadixCache(UnifiedRadixCache):
         self.eviction_key = self._lifecycle_key if key is None else key
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
+        if node.evicted:  # only HiCache's host eviction ranks host-only nodes
+            return self._hicache_host_key(node, base_priority)
         copies = self.copies
         state, anchors, leaving = node.agent, copies.anchors, copies.leaving
         owner = state.owner
@@ -195,6 +226,31 @@ class AgentRadixCache(UnifiedRadixCache):
                            bool(anchors) and node in anchors,
                            owner is not None and not state.terminated and self.over_quota(owner),
                            leaving=bool(leaving) and node in leaving)
+
+    def _hicache_host_key(self, node, base_priority) -> tuple:
+        """Host eviction order of a HiCache host leaf, as our own host tier ranks spilled entries
+        (policy/retention.py ``host_band``): an ended branch's first, then a branch over its quota or
+        paused with DISCARD advice, then the rest, then a branch paused with OFFLOAD advice (the pause
+        policy judged its copy worth the room); recency (SGLang's priority) within a band."""
+        state = node.agent
+        owner = state.owner
+        if state.terminated:
+            return (Band.ENDED, 0.0, False, 0, base_priority)
+        advice = self.spill.advice.get(owner) if owner is not None and self.spill.advice else None
+        advised = advice.value if advice is not None else None
+        low = advised == "discard" or (owner is not None and self.over_quota(owner))
+        return (host_band(low_value=low, protected=advised == "offload"), 0.0, False, 0, base_priority)
+
+    def host_room(self) -> tuple[int, int]:
+        """(free host tokens, tokens a host copy could get): what pause decisions price host memory
+        with. Our host tier: its free room, plus spilled unprotected entries (HostTier.has_room drops
+        them). HiCache: its host pool's free slots, plus host-only leaves (its host eviction takes them)."""
+        if not self.on_hicache:
+            free = self.pauses.host.free_tokens()
+            return free, free + self.spill.droppable_tokens()
+        free = int(self.cache_controller.mem_pool_host.available_size())
+        leaves = self.tree_core.evictable_host_leaves
+        return free, free + sum(len(n.component_data[FULL].host_value) for n in leaves)
 
     def branch_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is
@@ -434,6 +490,8 @@ class AgentRadixCache(UnifiedRadixCache):
         ``evict=False`` only into free memory. Returns the tokens that became device-resident."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
+        if self.on_hicache:
+            return self._load_from_hicache_host(key, evict=evict)
         if not self.spill.lru:
             return 0
         result = super().match_prefix(MatchPrefixParams(key=key))
@@ -441,6 +499,32 @@ class AgentRadixCache(UnifiedRadixCache):
             return 0
         last = self.tree_core.node_by_id(result.last_device_node)
         return self.spill.load_back(key, last, result.device_prefix_len, evict=evict)
+
+    def host_tokens_continuing(self, key) -> int:
+        """HiCache attached: tokens of ``key`` that match on HiCache's host pool past its device prefix
+        (what a load-back would bring); 0 without HiCache."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        if not self.on_hicache:
+            return 0
+        return int(super().match_prefix(MatchPrefixParams(key=key)).host_hit_length)
+
+    def _load_from_hicache_host(self, key, *, evict: bool) -> int:
+        """A prefetch on HiCache's own load path: the host-only part of ``key``'s match goes back to the
+        device through the cache controller (``load_back``, then the copy starts now instead of with
+        the next prefill batch; ``loading_check`` reaps it as any load-back). With ``evict=False`` only
+        into free device memory. Skipped while HiCache's load-back slots are all in use. Returns the
+        tokens being loaded."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        result = super().match_prefix(MatchPrefixParams(key=key))
+        if result.host_hit_length <= 0 or not self.has_free_load_back_slot():
+            return 0
+        quota = self.token_to_kv_pool_allocator.available_size() if not evict else None
+        if not self.load_back(result.last_host_node, mem_quota=quota, req=None):
+            return 0
+        self.ready_to_load_host_cache()
+        return int(result.host_hit_length)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         # Runs for every insert (twice per request at least): the common case -- the request's plan
@@ -635,7 +719,9 @@ class AgentRadixCache(UnifiedRadixCache):
         for node in list(core.owner_index.get(branch, ())):
             if not node.agent.terminated:
                 core.set_state(node, node.agent.ended())
+        hicache_host = self.hicache_deletes["host_tokens"]
         freed = self.reclaim_terminated()
+        host_freed += self.hicache_deletes["host_tokens"] - hicache_host
         return {"closed": True, "already_closed": already, "freed_tokens": freed, "host_freed_tokens": host_freed,
                 "pending_tokens": core.owned_tokens(branch)}
 
@@ -662,7 +748,7 @@ class AgentRadixCache(UnifiedRadixCache):
         pauses = self.pauses
         branches = {b for b in (set(self.tree_core.owner_index) | set(self.seen) | set(pauses.host.entries)
                                 | set(pauses.records)) if namespace_salt(b.namespace) == salt}
-        host_before = pauses.host.used_tokens
+        host_before = pauses.host.used_tokens - self.hicache_deletes["host_tokens"]
         freed = 0
         for branch in sorted(branches, key=lambda b: (b.namespace, b.session, b.branch)):
             freed += self.close_branch(branch).get("freed_tokens", 0)
@@ -672,7 +758,8 @@ class AgentRadixCache(UnifiedRadixCache):
         freed += self._evict_nodes(self._salted_nodes(salt), budget=None)
         locked = sum(len(n.key) for n in self._salted_nodes(salt) if n.component_data[FULL].value is not None)
         return {"branches_closed": len(branches), "freed_tokens": freed,
-                "host_freed_tokens": host_before - pauses.host.used_tokens, "locked_tokens": locked}
+                "host_freed_tokens": host_before - pauses.host.used_tokens + self.hicache_deletes["host_tokens"],
+                "locked_tokens": locked}
 
     def _salted_nodes(self, salt: str) -> list:
         core = self.tree_core
@@ -708,6 +795,8 @@ class AgentRadixCache(UnifiedRadixCache):
         from, which is spilled into them first (``HostCopies.spill_anchor``). Ties are broken by node
         id so every rank picks the same victims.
         """
+        if self.on_hicache:
+            return self._delete_everywhere(candidates)
         core, anchors = self.tree_core, self.copies.anchors
         members = set(candidates)
         heap = [(n.last_access_time, n.id, n) for n in members if core.is_device_leaf(n)]
@@ -728,11 +817,40 @@ class AgentRadixCache(UnifiedRadixCache):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return tracker[FULL]
 
+    def _delete_everywhere(self, candidates) -> int:
+        """HiCache attached: delete ``candidates`` from the device *and* HiCache's host pool, leaves
+        first (a parent whose last child went follows), oldest first with node ids breaking ties, so
+        every rank deletes the same nodes in the same order. A candidate that is locked, has a copy
+        in flight, or has children that are not candidates stays; it is retried when a lock or ack
+        releases it (``AgentTreeCore._update_evictable_leaf_sets`` marks the reclaim due). Returns
+        device tokens freed; host tokens go to ``hicache_deletes``."""
+        core = self.tree_core
+        members = set(candidates)
+        heap = [(n.last_access_time, n.id, n) for n in members if core.deletable_everywhere(n)]
+        heapq.heapify(heap)
+        device = host = 0
+        while heap:
+            _, _, node = heapq.heappop(heap)
+            if not core.deletable_everywhere(node):
+                continue
+            data = node.component_data[FULL]
+            device += len(data.value) if data.value is not None else 0
+            host += len(data.host_value) if data.host_value is not None else 0
+            parent = node.parent
+            self._apply_eviction_result(core.delete_everywhere(node))
+            if parent in members and core.deletable_everywhere(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self.hicache_deletes["device_tokens"] += device
+        self.hicache_deletes["host_tokens"] += host
+        return device
+
     def _evict_device_leaf(self, node_id, tracker):
         """Stock eviction of one leaf (memory pressure). A leaf paused branches' host copies hang from is
         first spilled into them; with the node spill on, the leaf itself is copied to host (an over-quota
         branch's leaf only into free host room: it cannot crowd other branches off the host tier either;
         ``quota_trimmed_tokens`` counts what went without a copy)."""
+        if self.on_hicache:
+            return self._evict_device_leaf_on_hicache(node_id, tracker)
         copies, spill = self.copies, self.spill
         anchors = copies.anchors
         node = self.tree_core.node_by_id(node_id)
@@ -753,6 +871,25 @@ class AgentRadixCache(UnifiedRadixCache):
             return super()._evict_device_leaf(node_id, tracker)
         finally:
             spill.settle_eviction(node)
+
+    def _evict_device_leaf_on_hicache(self, node_id, tracker):
+        """HiCache's eviction of one leaf (demote a backed-up one, back up then demote under
+        write-back), except a terminated node, deleted on both tiers instead: nobody will read it
+        again, and a backup would spend host room and a copy on it (and, with L3, storage)."""
+        core = self.tree_core
+        node = core.node_by_id(node_id)
+        if node.agent.terminated and core.deletable_everywhere(node):
+            data = node.component_data[FULL]
+            if data.host_value is None:
+                self.hicache_deletes["backups_skipped_tokens"] += len(node.key)
+            else:
+                self.hicache_deletes["host_tokens"] += len(data.host_value)
+            self.hicache_deletes["device_tokens"] += len(node.key)
+            result = core.delete_everywhere(node)
+            self._apply_eviction_result(result)
+            self._accumulate_tracker(tracker, result.tracker)
+            return None
+        return super()._evict_device_leaf(node_id, tracker)
 
     def protected_size(self) -> int:
         """Locked tree tokens, plus the device slots host->device copies in flight hold (load-backs,
@@ -875,9 +1012,27 @@ class AgentRadixCache(UnifiedRadixCache):
             "copy_ahead": self.copy_ahead.stats(),
             "async_loads": self.loads.stats(),
             "transfer_votes": dict(self.transfer_votes),
+            "hicache": self.hicache_stats(),
             "ranking_deferred_restores": self.ranking_deferred,
             "host_loads_refused": self.host_loads_refused,
         }
+
+    def hicache_stats(self) -> dict:
+        """HiCache's host pool as our lifecycle sees it (``{"attached": False}`` without HiCache): its
+        size and free slots, host-only tokens per class, and what closes deleted on each tier."""
+        if not self.on_hicache:
+            return {"attached": False}
+        counts = {"stable": 0, "session": 0, "scratch": 0, "untagged": 0, "terminated": 0}
+        for node in self.tree_core.all_nodes():
+            data = node.component_data[FULL]
+            if node is not self.tree_core.root_node and data.host_value is not None:
+                counts["terminated" if node.agent.terminated else node.agent.cls.name.lower()] += len(data.host_value)
+        host = self.cache_controller.mem_pool_host
+        return {"attached": True, "write_policy": "write_back" if self.is_write_back else "write_through",
+                "host_pool_tokens": int(host.size), "host_available_tokens": int(host.available_size()),
+                "host_tokens_by_class": counts, "storage_backend": bool(self.enable_storage),
+                "deleted": dict(self.hicache_deletes),
+                "vetoed_backup_tokens": self.tree_core.vetoed_backup_tokens}
 
     def namespace_stats(self, namespace: str) -> dict:
         """One namespace's own view of the cache (what a tenant may read: nothing of anyone else's)."""
@@ -919,9 +1074,8 @@ def agentcache_factory(ctx):
         logger.info("agentcache: --disable-radix-cache is set; deferring to SGLang's default cache chain")
         return registry.default_radix_cache_factory(ctx)
     # Normally refused before any process starts (server/topology.py); again here for a scheduler built
-    # any other way, before anything of ours runs beside HiCache or across pipeline stages.
-    reason = refusal(BACKEND_NAME, 1, 1, 1, False, hierarchical_cache=bool(ctx.enable_hierarchical_cache),
-                     pp_size=int(getattr(ctx.params, "pp_size", 1) or 1))
+    # any other way, before anything of ours runs across pipeline stages.
+    reason = refusal(BACKEND_NAME, 1, 1, 1, False, pp_size=int(getattr(ctx.params, "pp_size", 1) or 1))
     if reason is not None:
         raise UnsupportedTopology(reason)
     ctx.params.tree_core_backend = BACKEND_NAME

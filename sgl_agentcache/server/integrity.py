@@ -85,6 +85,8 @@ def check_tree(cache, *, idle: bool, agent_state: bool = True) -> IntegrityRepor
     if agent_state:
         errors.extend(_check_ownership(core, nodes, idle=idle, anchors=cache.host_anchors()))
         errors.extend(_check_host(cache, set(nodes)))
+        if idle and getattr(cache, "on_hicache", False):
+            errors.extend(_check_hicache_host(cache, nodes))
 
     if evictable != cache.evictable_size():
         errors.append(f"evictable recount {evictable} != evictable_size() {cache.evictable_size()}")
@@ -135,6 +137,16 @@ def _check_host(cache, nodes: set) -> list[str]:
     return errors
 
 
+def _check_hicache_host(cache, nodes) -> list[str]:
+    """Idle, HiCache attached: the host slots the tree's nodes hold are exactly the host pool's used
+    slots (a deleted branch left none behind; nothing else holds any while no copy or L3 prefetch runs)."""
+    held = sum(len(n.component_data[FULL].host_value) for n in nodes
+               if n is not cache.tree_core.root_node and n.component_data[FULL].host_value is not None)
+    host = cache.cache_controller.mem_pool_host
+    used = int(host.size) - int(host.available_size())
+    return [] if held == used else [f"HiCache host recount: the tree holds {held} host slots, the pool has {used} used"]
+
+
 def _check_ownership(core, nodes, *, idle: bool, anchors=frozenset()) -> list[str]:
     """Owner and terminated indexes against the tree; ``anchors``: nodes host copies or spilled nodes
     hang from."""
@@ -157,7 +169,7 @@ def _check_ownership(core, nodes, *, idle: bool, anchors=frozenset()) -> list[st
     stale = core.terminated - tree_nodes
     if stale:
         errors.append(f"{len(stale)} terminated-index entries are not in the tree")
-    lagging = [n.id for n in core.terminated if core.is_device_leaf(n) and n not in anchors]
+    lagging = [n.id for n in core.terminated if core.awaits_reclaim(n) and n not in anchors]
     if lagging and not getattr(core, "reclaim_due", True):
         errors.append(f"terminated unlocked leaves {lagging[:8]} are not marked due for reclaim")
     if idle:

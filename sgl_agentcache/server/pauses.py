@@ -229,14 +229,13 @@ class PauseBook:
         # What host memory costs this pause: the value of the host entries an offload would displace.
         retention = dataclasses.replace(self.cache.retention, h2d_bytes_per_s=h2d,
                                         host_reuse=self.cache.spill.reuse_rate())
-        displaced = displaced_host_seconds(retention, tokens, self.host.free_tokens()) \
-            if placement is Placement.DEVICE else 0.0
+        free_host, host_room = self.cache.host_room()
+        displaced = displaced_host_seconds(retention, tokens, free_host) if placement is Placement.DEVICE else 0.0
         return PauseInputs(
             retained_tokens=tokens, bytes_per_token=s.bytes_per_token, latency=latency,
             device_free_tokens=allocator.available_size(), device_evictable_tokens=self.cache.evictable_size(),
             device_total_tokens=allocator.size,
-            # Spilled, unprotected nodes give way to a pause's copy (HostTier.has_room drops them).
-            host_free_bytes=(self.host.free_tokens() + self.cache.spill.droppable_tokens()) * s.bytes_per_token,
+            host_free_bytes=host_room * s.bytes_per_token,
             h2d_bandwidth_Bps=h2d, d2h_bandwidth_Bps=d2h,
             prefill_tokens_per_s=s.prefill_tokens_per_s, elapsed_s=elapsed_s, deadline_s=deadline_s,
             priority=priority, resume_probability=resume_probability, prefetch_lead_s=prefetch_lead_s,
@@ -585,7 +584,11 @@ class PauseBook:
             return {"prefetched": False, "reason": "prefetch is off for this namespace (precision below "
                                                      f"{self.settings.prefetch_min_precision})"}
         pending = sum(r.prefetched_tokens for b, r in self.records.items() if b.namespace == ns)
-        need = self.cache.spill.owner_tokens.get(branch, 0) if lazy else self.host.tokens_of(branch)
+        if lazy:  # what eviction spilled of it: to our host tier, or HiCache's host pool when attached
+            need = (self.cache.host_tokens_continuing(_path_key(record.path)) if self.cache.on_hicache
+                    else self.cache.spill.owner_tokens.get(branch, 0))
+        else:
+            need = self.host.tokens_of(branch)
         if need == 0:
             self.prefetch["refused_nothing"] += 1
             return {"prefetched": False, "reason": "nothing of this branch is on host"}

@@ -7,19 +7,14 @@
 - **Several tokenizer workers** (``--tokenizer-worker-num`` > 1): the pause coordinator (clocks, learned
   tool latencies, deadlines, the event log) and the tenancy state (the middleware, retired sessions, the
   audit log) live in one HTTP process; the other workers would serve without them.
-- **HiCache** (``--enable-hierarchical-cache``): when our reclaim, discard or offload frees a node HiCache
-  has backed up, SGLang's ``evict_device_leaf(is_write_back=False)`` demotes it to HiCache's host pool
-  instead of deleting it, so a closed branch's tokens and an offloaded suffix would live on in HiCache
-  (an offloaded suffix in both host tiers), and HiCache's backups lock nodes our moves expect to free.
-  The node spill (on by default, ``AGENTCACHE_HOST_SPILL``) gives HiCache's write-back semantics on our host tier.
 - **Pipeline parallelism** (``--pp-size`` > 1): every rank must agree on the outcome of each host<->device
   copy before acting on it (``server/agreement.py``); that agreement covers the TP ranks of the first
   pipeline stage, whose verdict the later stages follow, so a copy failing on a later stage would go
   unnoticed there.
 
 Checked by a BEFORE hook on ``Engine._launch_subprocesses``, which both ``sglang serve`` and an
-in-process ``sglang.Engine`` go through before any process starts (HiCache and PP again in the backend
-factory, for a scheduler built any other way). Only deployments that use this
+in-process ``sglang.Engine`` go through before any process starts (PP again in the backend factory, for a
+scheduler built any other way). Only deployments that use this
 plugin are refused: the ``agentcache`` backend, or tenancy (``AGENTCACHE_TENANTS``) for the workers.
 """
 
@@ -36,7 +31,7 @@ class UnsupportedTopology(RuntimeError):
 
 
 def refusal(radix_cache_backend: str | None, dp_size: int, attn_dp_size: int, tokenizer_workers: int,
-            tenancy: bool, *, hierarchical_cache: bool = False, pp_size: int = 1) -> str | None:
+            tenancy: bool, *, pp_size: int = 1) -> str | None:
     """Why this deployment must not start, or None (pure)."""
     ours = radix_cache_backend == BACKEND_NAME
     dp_ranks = max(dp_size, 1) * max(attn_dp_size, 1)
@@ -51,13 +46,6 @@ def refusal(radix_cache_backend: str | None, dp_size: int, attn_dp_size: int, to
                 "pause coordinator (clocks, tool latencies, deadlines, event log) and the tenancy state "
                 "(authentication, retired sessions, audit log) live in one HTTP process, and the other "
                 "workers would serve without them. Use --tokenizer-worker-num 1.")
-    if ours and hierarchical_cache:
-        return (f"sgl_agentcache: --radix-cache-backend {BACKEND_NAME} does not support "
-                "--enable-hierarchical-cache: HiCache keeps a backed-up node on its host tier when our "
-                "close, discard or offload frees it on the device, so a closed branch's tokens and an "
-                "offloaded suffix would live on there (in both host tiers). Drop the flag: paused "
-                "branches are offloaded to our own host tier, and the node spill (on by default) keeps evicted "
-                "nodes on host and loads them back on a later match, as HiCache does.")
     if ours and pp_size > 1:
         return (f"sgl_agentcache: --radix-cache-backend {BACKEND_NAME} does not support pipeline parallelism "
                 f"(--pp-size {pp_size}): every rank agrees on each host<->device copy before acting on it, "
@@ -71,7 +59,6 @@ def check(server_args) -> None:
     reason = refusal(getattr(server_args, "radix_cache_backend", None), int(getattr(server_args, "dp_size", 1) or 1),
                      int(getattr(server_args, "attn_dp_size", 1) or 1),
                      int(getattr(server_args, "tokenizer_worker_num", 1) or 1), bool(os.environ.get(TENANTS_ENV)),
-                     hierarchical_cache=bool(getattr(server_args, "enable_hierarchical_cache", False)),
                      pp_size=int(getattr(server_args, "pp_size", 1) or 1))
     if reason is not None:
         raise UnsupportedTopology(reason)

@@ -32,8 +32,10 @@ from array import array
 from collections import deque
 from typing import Optional
 
+from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
+from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictDeviceLeafResult
 
 from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
 
@@ -46,6 +48,7 @@ _STOCK_UPDATE_LEAF_SETS = UnifiedTreeCore._update_evictable_leaf_sets
 _STOCK_NEW_NODE = UnifiedTreeCore._new_node
 _STOCK_ADD_NEW_NODE = UnifiedTreeCore._add_new_node
 _STOCK_INSERT_WALK_STEP = UnifiedTreeCore._insert_walk_step
+_STOCK_INC_HIT_COUNT_AND_CHECK = UnifiedTreeCore._inc_hit_count_and_check
 _SKIP_READS = ("enable_hicache", "enable_external_cache_linker", "is_eagle", "components", "root_node")
 
 
@@ -63,6 +66,10 @@ class AgentTreeCore(UnifiedTreeCore):
         # Called with every node that leaves the tree (the cache's spill tier re-hangs or drops the host
         # entries that continued it).
         self.node_removed = None
+        # HiCache write-through: ``backup_veto(node)`` True keeps a node the policy does not value on
+        # host from being backed up at insert (the cache sets it when HiCache attaches).
+        self.backup_veto = None
+        self.vetoed_backup_tokens = 0
         super().__init__(params, components)
         # Read by every insert (_skip_locked_prefix); pins.py checks methods, not attributes, so a
         # rename in a later SGLang must stop the server here rather than at its first request.
@@ -177,9 +184,22 @@ class AgentTreeCore(UnifiedTreeCore):
         state.key = key[total:]
         state.value = state.value[total:]
 
+    def _inc_hit_count_and_check(self, node: UnifiedTreeNode) -> bool:
+        backup = _STOCK_INC_HIT_COUNT_AND_CHECK(self, node)
+        veto = self.backup_veto
+        if backup and veto is not None and veto(node):
+            # Not now; a later hit asks again (the branch may be back under its quota by then), and a
+            # backed-up descendant's chain still takes it along (the host prefix stays contiguous).
+            self.vetoed_backup_tokens += len(node.key)
+            return False
+        return backup
+
     def _update_evictable_leaf_sets(self, node: UnifiedTreeNode) -> None:
         _STOCK_UPDATE_LEAF_SETS(self, node)
-        if self.terminated and node in self.terminated and node in self.evictable_device_leaves:
+        # Under HiCache a terminated node can also become deletable as a host leaf (its last L3 write
+        # or load-back let go of it): every lock release and ack comes through here.
+        if self.terminated and node in self.terminated and (
+                node in self.evictable_device_leaves or node in self.evictable_host_leaves):
             self.reclaim_due = True
 
     def _unregister_node(self, node: UnifiedTreeNode) -> None:
@@ -211,7 +231,7 @@ class AgentTreeCore(UnifiedTreeCore):
             self.owned_count[owner] = self.owned_count.get(owner, 0) + len(node.key)
         if state.terminated:
             self.terminated.add(node)
-            if node in self.evictable_device_leaves:
+            if node in self.evictable_device_leaves or node in self.evictable_host_leaves:
                 self.reclaim_due = True
 
     def _forget(self, node: UnifiedTreeNode) -> None:
@@ -291,3 +311,38 @@ class AgentTreeCore(UnifiedTreeCore):
     def is_device_leaf(self, node: UnifiedTreeNode) -> bool:
         """Unlocked, device-resident, no device-resident children: evictable right now."""
         return node in self.evictable_device_leaves
+
+    def awaits_reclaim(self, node: UnifiedTreeNode) -> bool:
+        """A reclaim would free ``node`` now, if it is terminated: an unlocked device leaf, or under
+        HiCache a node :meth:`deletable_everywhere` allows (a device leaf with host-only children stays)."""
+        return self.deletable_everywhere(node) if self.enable_hicache else node in self.evictable_device_leaves
+
+    # ---- deletion on every tier (HiCache attached) ----
+
+    def deletable_everywhere(self, node: UnifiedTreeNode) -> bool:
+        """``node`` can leave the tree now, with its device and HiCache host copies: in the tree, no
+        children on any tier (deleting it would orphan their host slots), KV on some tier, no lock on
+        either tier (a running request, an L3 write or a load-back reading it), no copy in flight."""
+        if node is self.root_node or node.children or not self.attached(node):
+            return False
+        if node.write_through_pending_id is not None or node.load_back_pending_id is not None:
+            return False
+        if node.evicted and not node.backuped:  # a tombstone: SGLang's own cascade removes those
+            return False
+        return all(cd.lock_ref <= 0 and cd.host_lock_ref <= 0 for cd in node.component_data)
+
+    def delete_everywhere(self, node: UnifiedTreeNode) -> EvictDeviceLeafResult:
+        """Delete a node :meth:`deletable_everywhere` allows, freeing its device and host slots (the
+        caller drains the result with ``_apply_eviction_result``). Stock eviction would *demote* a
+        backed-up device node to host instead: right for a cold prefix, wrong for a closed branch."""
+        if not self.deletable_everywhere(node):
+            raise ValueError(f"node {node.id} cannot be deleted on every tier now")
+        result = EvictDeviceLeafResult()
+        frees = (result.tracker, result.device_frees, result.host_frees, result.cache_actions)
+        if node.evicted:
+            self._evict_host_leaf(node, *frees)
+        else:
+            if node.backuped:  # the stock delete records the device copy's removal only
+                self.kv_events.record_remove(node, medium=StorageMedium.CPU)
+            self._delete_unbacked_device_leaf(node, *frees)
+        return result

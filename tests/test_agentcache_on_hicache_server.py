@@ -1,0 +1,208 @@
+"""The ``agentcache`` backend on SGLang's own HiCache (issue #36 item 2), real CPU servers.
+
+``--radix-cache-backend agentcache --enable-hierarchical-cache`` serves: HiCache's host pool and cache
+controller carry the host copies (our own host tier stays empty), and our lifecycle decides what they
+keep. Checked against a real server, under both write policies:
+
+- a branch's close deletes its nodes on the device *and* in HiCache's host pool: the host pool's free
+  slots come back, no node of the branch is left, and its prompt sent again gets no host hit (stock
+  eviction would have demoted the backed-up nodes to host, where they would live on);
+- what the session keeps still comes back from host after device pressure, with the same logprobs as
+  a device hit (the lifecycle changes what is held, never the bytes);
+- under write-through, a fork over its branch quota is not backed up (the first to go on either tier),
+  while the session's history is;
+- HiCache's host eviction follows the lifecycle: a branch paused with OFFLOAD advice keeps its host
+  copy while newer sessions' copies go first (LRU would have dropped it: it is the oldest);
+- a paused branch pushed out to host is prefetched ("the tool is nearly done") through HiCache's own
+  load path, and its next turn finds it on the device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sgl_agentcache.cpu_server import CpuServer
+from sgl_agentcache.hints import lifecycle_envelope
+
+pytestmark = pytest.mark.server
+
+POOL_TOKENS = 1024
+PROMPT_TOKENS = 300
+SCRATCH_TOKENS = 200
+
+
+def _server(tiny_model, log_path, policy: str, layout: str, **env: str) -> CpuServer:
+    # Decisions priced as the seed deployment (36 KiB/token: a host copy is worth loading back).
+    return CpuServer(str(tiny_model.path), log_path=log_path, max_total_tokens=POOL_TOKENS,
+                     env={"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_PREFETCH_BUDGET_TOKENS": "512", **env},
+                     extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
+                                 "direct", "--hicache-write-policy", policy, "--hicache-mem-layout", layout,
+                                 "--hicache-ratio", "4"))
+
+
+def _generate(srv: CpuServer, ids: list[int], hint: dict | None = None) -> dict:
+    body = {"input_ids": ids, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    if hint is not None:
+        body["kv_hints"] = lifecycle_envelope(hint, message_id=f"m-{time.monotonic_ns()}")
+    status, reply = srv.request("POST", "/generate", body)
+    assert status == 200, reply
+    return reply["meta_info"]
+
+
+def _hicache(srv: CpuServer) -> dict:
+    status, stats = srv.request("GET", "/agentcache/stats")
+    assert status == 200, stats
+    return stats["hicache"] | {"branches": {b["branch"]: b["owned_tokens"] for b in stats["branches"]}}
+
+
+def _settled(srv: CpuServer, done, timeout: float = 30.0) -> dict:
+    """Stats once ``done(stats)`` holds (HiCache acknowledges copies a scheduler step or two later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _hicache(srv)
+        if done(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def _check(srv: CpuServer) -> None:
+    status, report = srv.request("GET", "/agentcache/check")
+    assert status == 200 and report["ok"] and report["idle"], report  # idle: the host recount ran too
+
+
+def _logprobs(meta: dict) -> list:
+    return [(lp, tok) for lp, tok, *_ in meta["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("policy,layout", [("write_through", "page_first_direct"), ("write_back", "layer_first")])
+def test_a_closed_fork_leaves_neither_the_device_nor_hicaches_host_pool(tiny_model, tokens, tmp_path, policy, layout):
+    """write_through backs the fork's scratch up as it is inserted, so the close finds it on both tiers;
+    write_back backs it up only when device pressure evicts it, so the close finds it on host only."""
+    with _server(tiny_model, tmp_path / "sglang.log", policy, layout).start() as srv:
+        stats = _hicache(srv)
+        assert stats["attached"] and stats["write_policy"] == policy
+        assert stats["host_pool_tokens"] >= 4 * POOL_TOKENS
+        history = tokens.ids(PROMPT_TOKENS)
+        _generate(srv, history, {"session": "s"})
+        device_hit = _generate(srv, history, {"session": "s"})
+        assert device_hit["cached_tokens_details"] == {"device": PROMPT_TOKENS - 1, "host": 0}
+        fork_prompt = history + tokens.ids(SCRATCH_TOKENS)
+        _generate(srv, fork_prompt, {"session": "s", "branch": "f1", "parent_branch": "main"})
+        if policy == "write_back":  # other sessions' histories push ours and the fork's scratch to host
+            for i in range(6):  # (untagged prompts would not: they go before any session's history)
+                _generate(srv, tokens.ids(PROMPT_TOKENS), {"session": f"other{i}"})
+        before = _settled(srv, lambda s: s["host_tokens_by_class"]["scratch"] >= SCRATCH_TOKENS)
+        assert before["host_tokens_by_class"]["scratch"] >= SCRATCH_TOKENS, before
+        assert before["branches"]["f1"] >= SCRATCH_TOKENS
+
+        status, closed = srv.request("POST", "/agentcache/branch/close", {"session": "s", "branch": "f1"})
+        assert status == 200 and closed["closed"], closed
+        after = _settled(srv, lambda s: "f1" not in s["branches"] and s["host_tokens_by_class"]["terminated"] == 0)
+        assert "f1" not in after["branches"], after  # no node of the branch is left, on any tier
+        assert after["host_tokens_by_class"]["scratch"] == after["host_tokens_by_class"]["terminated"] == 0
+        freed_host = before["host_tokens_by_class"]["scratch"]
+        assert after["host_available_tokens"] == before["host_available_tokens"] + freed_host
+        assert after["deleted"]["host_tokens"] - before["deleted"]["host_tokens"] == freed_host
+        if policy == "write_back":
+            assert closed["freed_tokens"] == 0 and closed["host_freed_tokens"] == freed_host
+        _check(srv)
+
+        # What the session keeps still comes back, from host under write_back, with the same bytes.
+        back = _generate(srv, history, {"session": "s"})
+        assert sum(back["cached_tokens_details"].values()) == PROMPT_TOKENS - 1
+        if policy == "write_back":
+            assert back["cached_tokens_details"]["host"] > 0
+        assert _logprobs(back) == _logprobs(device_hit)
+        # The fork's tokens are gone from host too: sent again, only the session's history is a hit.
+        again = _generate(srv, fork_prompt)
+        assert sum(again["cached_tokens_details"].values()) <= PROMPT_TOKENS, again["cached_tokens_details"]
+        _check(srv)
+    assert "hicache_attached=True" in (tmp_path / "sglang.log").read_text()
+
+
+def test_a_paused_branch_is_prefetched_through_hicaches_load_path(tiny_model, tokens, tmp_path):
+    with _server(tiny_model, tmp_path / "sglang.log", "write_back", "layer_first").start() as srv:
+        history = tokens.ids(PROMPT_TOKENS)
+        device_hit = _generate(srv, history, {"session": "p"})
+        device_hit = _generate(srv, history, {"session": "p"})
+        status, paused = srv.request("POST", "/agentcache/pause", {"session": "p", "tool_class": "ci_run"})
+        assert status == 200 and paused["paused"], paused
+        for i in range(6):
+            _generate(srv, tokens.ids(PROMPT_TOKENS), {"session": f"other{i}"})
+        for i in range(6):  # free device room for the prefetch (it never evicts)
+            srv.request("POST", "/agentcache/session/close", {"session": f"other{i}"})
+        on_host = _hicache(srv)["host_tokens_by_class"]["session"]
+        assert on_host >= PROMPT_TOKENS, on_host
+        status, prefetched = srv.request("POST", "/agentcache/prefetch", {"session": "p"})
+        assert status == 200 and prefetched["prefetched"], prefetched
+        assert prefetched["restored_tokens"] >= PROMPT_TOKENS - 1
+        resumed = _generate(srv, history, {"session": "p"})
+        assert resumed["cached_tokens_details"] == {"device": PROMPT_TOKENS - 1, "host": 0}
+        assert _logprobs(resumed) == _logprobs(device_hit)
+        status, stats = srv.request("GET", "/agentcache/stats")
+        assert stats["pauses"]["prefetch"]["issued"] == 1
+        _check(srv)
+
+
+def test_with_a_file_l3_store_a_sessions_history_comes_back_from_storage(tiny_model, tokens, tmp_path):
+    """HiCache's L3 under our lifecycle: host is only twice the device pool, so other sessions push the
+    history out of both tiers; the ``file`` store (pages of 16) returns it with the same logprobs."""
+    store = tmp_path / "l3"
+    store.mkdir()
+    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
+                    env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)},
+                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
+                                "direct", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
+                                "--page-size", "16"))
+    stored = PROMPT_TOKENS // 16 * 16
+    with srv.start():
+        history = tokens.ids(PROMPT_TOKENS)
+        _generate(srv, history, {"session": "l3"})
+        device_hit = _generate(srv, history, {"session": "l3"})
+        assert device_hit["cached_tokens_details"]["device"] == stored
+        assert _hicache(srv)["storage_backend"] is True
+        for i in range(10):
+            _generate(srv, tokens.ids(PROMPT_TOKENS), {"session": f"other{i}"})
+        from_l3 = _generate(srv, history, {"session": "l3"})
+        assert from_l3["cached_tokens_details"]["storage"] == stored, from_l3["cached_tokens_details"]
+        assert _logprobs(from_l3) == _logprobs(device_hit)
+        _check(srv)
+
+
+def test_write_through_backs_up_no_scratch_of_a_fork_over_its_quota(tiny_model, tokens, tmp_path):
+    with _server(tiny_model, tmp_path / "sglang.log", "write_through", "layer_first",
+                 AGENTCACHE_BRANCH_QUOTA_TOKENS="64").start() as srv:
+        history = tokens.ids(PROMPT_TOKENS)
+        _generate(srv, history, {"session": "q"})
+        _generate(srv, history + tokens.ids(SCRATCH_TOKENS), {"session": "q", "branch": "big", "parent_branch": "main"})
+        stats = _settled(srv, lambda s: s["host_tokens_by_class"]["session"] >= PROMPT_TOKENS)
+        assert stats["host_tokens_by_class"]["session"] >= PROMPT_TOKENS  # the history is backed up
+        assert stats["branches"]["big"] >= SCRATCH_TOKENS  # the fork holds its scratch on the device
+        assert stats["host_tokens_by_class"]["scratch"] == 0 and stats["vetoed_backup_tokens"] >= SCRATCH_TOKENS
+        _check(srv)
+
+
+def test_host_eviction_keeps_a_branch_paused_with_offload_advice(tiny_model, tokens, tmp_path):
+    import json
+
+    priors = json.dumps({"ci_run": {"median_s": 60.0, "sigma": 1.5}})
+    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
+                    env={"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_TOOL_PRIORS": priors},
+                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
+                                "direct", "--hicache-write-policy", "write_back", "--hicache-ratio", "1"))
+    with srv.start():
+        history = tokens.ids(PROMPT_TOKENS)
+        device_hit = _generate(srv, history, {"session": "paused"})
+        device_hit = _generate(srv, history, {"session": "paused"})
+        status, paused = srv.request("POST", "/agentcache/pause", {"session": "paused", "tool_class": "ci_run"})
+        assert status == 200 and paused["action"] == "offload", paused
+        # 2,400 newer tokens through a 1,024-token device pool and a host pool of the same size.
+        for i in range(8):
+            _generate(srv, tokens.ids(PROMPT_TOKENS), {"session": f"newer{i}"})
+        back = _generate(srv, history, {"session": "paused"})
+        assert back["cached_tokens_details"] == {"device": 0, "host": PROMPT_TOKENS - 1}, back
+        assert _logprobs(back) == _logprobs(device_hit)
+        _check(srv)
