@@ -254,6 +254,17 @@ def _server(body: dict) -> list[str]:
     return out + [""]
 
 
+#: The server benchmark's subset run for issue #36: our lifecycle on SGLang's HiCache against HiCache
+#: itself and against our own host tier (``server_recompute.py --backends ...``).
+ON_HICACHE = "server_recompute-hicache-wb-lpm+agentcache-lpm+agentcache-hicache-lpm.json"
+
+
+def _server_on_hicache(body: dict) -> list[str]:
+    return (["Our backend on SGLang's own HiCache (`agentcache-hicache-lpm`: HiCache write-back's host pool "
+             "under our lifecycle, our own host tier off), against HiCache itself and against our own host "
+             "tier, in a run of its own (`--backends`):", ""] + _server(body))
+
+
 def _cluster(body: dict) -> list[str]:
     cfg, systems = body["config"], body["systems"]
     out = [f"Two workers behind SGLang's router (`bench/cluster_recompute.py`; the real-server `{cfg['workload']}` "
@@ -491,7 +502,8 @@ def render_summary() -> str:
 def render() -> str:
     """bench/README.md's block: every table."""
     return _render((("replay/results.json", _replay), ("real_sessions.json", _sessions),
-                    ("server_recompute.json", _server), ("cluster_recompute.json", _cluster),
+                    ("server_recompute.json", _server), (ON_HICACHE, _server_on_hicache),
+                    ("cluster_recompute.json", _cluster),
                     ("replay_vs_server.json", _replay_vs_server), ("tree_overhead.json", _overhead),
                     ("soak.json", _soak)))
 

@@ -13,6 +13,7 @@ keep. Checked against a real server, under both write policies:
   while the session's history is;
 - HiCache's host eviction follows the lifecycle: a branch paused with OFFLOAD advice keeps its host
   copy while newer sessions' copies go first (LRU would have dropped it: it is the oldest);
+- a tenant purge removes the tenant's nodes from HiCache's host pool too, and spares the other tenant;
 - a paused branch pushed out to host is prefetched ("the tool is nearly done") through HiCache's own
   load path, and its next turn finds it on the device.
 """
@@ -206,3 +207,46 @@ def test_host_eviction_keeps_a_branch_paused_with_offload_advice(tiny_model, tok
         assert back["cached_tokens_details"] == {"device": 0, "host": PROMPT_TOKENS - 1}, back
         assert _logprobs(back) == _logprobs(device_hit)
         _check(srv)
+
+
+def test_a_tenant_purge_empties_its_share_of_hicaches_host_pool(tiny_model, tokens, tmp_path):
+    from sgl_agentcache.tenancy import key_digest
+
+    keys = {"acme": "ak-acme-hicache-test-0123456789", "globex": "ak-globex-hicache-test-0123456789"}
+    admin = "ak-admin-hicache-test-0123456789"
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'admin_keys = ["{key_digest(admin)}"]\n\n'
+                       + "".join(f'[tenants.{name}]\nkeys = ["{key_digest(key)}"]\n\n' for name, key in keys.items()))
+    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
+                    env={"AGENTCACHE_TENANTS": str(tenants), "AGENTCACHE_SECRET": "s" * 48},
+                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
+                                "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "4"))
+
+    def call(tenant_key, method, path, body=None):
+        status, reply = srv.request(method, path, body, headers={"x-agentcache-key": tenant_key})
+        assert status == 200, reply
+        return reply
+
+    def generate(tenant, ids):
+        return call(keys[tenant], "POST", "/generate", {
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
+
+    prompt = tokens.ids(PROMPT_TOKENS)
+    with srv.start():
+        for tenant in keys:  # the same prompt from both: write-through backs each tenant's copy up
+            generate(tenant, prompt)
+        deadline = time.monotonic() + 30
+        while call(keys["acme"], "GET", "/agentcache/stats")["host_tokens"] < PROMPT_TOKENS:
+            assert time.monotonic() < deadline, "acme's prompt never reached HiCache's host pool"
+            time.sleep(0.2)
+        before = call(admin, "GET", "/agentcache/stats")["hicache"]
+        purged = call(admin, "POST", "/agentcache/admin/purge", {"tenant": "acme"})
+        assert purged["locked_tokens"] == 0 and purged["host_freed_tokens"] >= PROMPT_TOKENS, purged
+        after = call(admin, "GET", "/agentcache/stats")["hicache"]
+        assert after["host_available_tokens"] == before["host_available_tokens"] + purged["host_freed_tokens"]
+        assert call(keys["acme"], "GET", "/agentcache/stats")["host_tokens"] == 0
+        assert call(keys["globex"], "GET", "/agentcache/stats")["host_tokens"] >= PROMPT_TOKENS
+        assert generate("acme", prompt)["meta_info"]["cached_tokens"] == 0  # nothing of it left, on any tier
+        assert generate("globex", prompt)["meta_info"]["cached_tokens"] == PROMPT_TOKENS - 1
+        report = call(admin, "GET", "/agentcache/check")
+        assert report["ok"] and report["idle"], report

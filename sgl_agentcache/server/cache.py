@@ -1034,6 +1034,15 @@ class AgentRadixCache(UnifiedRadixCache):
                 "deleted": dict(self.hicache_deletes),
                 "vetoed_backup_tokens": self.tree_core.vetoed_backup_tokens}
 
+    def _hicache_host_tokens(self, namespace: str) -> int:
+        """Tokens of ``namespace`` in HiCache's host pool (0 without HiCache)."""
+        if not self.on_hicache:
+            return 0
+        core = self.tree_core
+        return sum(len(n.component_data[FULL].host_value) for n in core.all_nodes()
+                   if n is not core.root_node and n.component_data[FULL].host_value is not None
+                   and namespace_key(n.key.extra_key, n.key.cache_salt) == namespace)
+
     def namespace_stats(self, namespace: str) -> dict:
         """One namespace's own view of the cache (what a tenant may read: nothing of anyone else's)."""
         core, pauses = self.tree_core, self.pauses
@@ -1044,7 +1053,8 @@ class AgentRadixCache(UnifiedRadixCache):
             "namespace": namespace,
             "resident_tokens": self.resident_tokens_by_class(namespace),
             "host_tokens": sum(pauses.host.tokens_of(b) for b in pauses.host.entries if b.namespace == namespace)
-            + sum(len(e) for e in self.spill.lru if namespace_key(e.extra_key, e.cache_salt) == namespace),
+            + sum(len(e) for e in self.spill.lru if namespace_key(e.extra_key, e.cache_salt) == namespace)
+            + self._hicache_host_tokens(namespace),
             "branches": [b.to_dict() | {"owned_tokens": core.owned_tokens(b), "closed": b in self.closed}
                          for b in branches],
             "paused_branches": sum(b.namespace == namespace for b in pauses.records),
