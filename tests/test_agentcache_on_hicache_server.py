@@ -13,6 +13,8 @@ keep. Checked against a real server, under both write policies:
   while the session's history is;
 - HiCache's host eviction follows the lifecycle: a branch paused with OFFLOAD advice keeps its host
   copy while newer sessions' copies go first (LRU would have dropped it: it is the oldest);
+- with our deleting ``file`` store (``server/l3_store.py``), a close deletes the fork's L3 pages too,
+  and the session's pages stay;
 - a tenant purge removes the tenant's nodes from HiCache's host pool too, and spares the other tenant;
 - a paused branch pushed out to host is prefetched ("the tool is nearly done") through HiCache's own
   load path, and its next turn finds it on the device.
@@ -250,3 +252,43 @@ def test_a_tenant_purge_empties_its_share_of_hicaches_host_pool(tiny_model, toke
         assert generate("globex", prompt)["meta_info"]["cached_tokens"] == PROMPT_TOKENS - 1
         report = call(admin, "GET", "/agentcache/check")
         assert report["ok"] and report["idle"], report
+
+
+def test_a_close_deletes_the_forks_pages_from_the_deleting_file_store(tiny_model, tokens, tmp_path):
+    from sgl_agentcache.server.l3_store import EXTRA_CONFIG
+
+    store = tmp_path / "l3"
+    store.mkdir()
+    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
+                    env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)},
+                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
+                                "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "2",
+                                "--hicache-storage-backend", "dynamic",
+                                "--hicache-storage-backend-extra-config", EXTRA_CONFIG, "--page-size", "16"))
+    pages = lambda: len(list(store.glob("*.bin")))  # noqa: E731
+    history_pages = PROMPT_TOKENS // 16
+
+    def wait_for(done, what):
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    with srv.start():
+        history = tokens.ids(PROMPT_TOKENS)
+        _generate(srv, history, {"session": "s"})
+        wait_for(lambda: pages() >= history_pages, "the history never reached the store")
+        _generate(srv, history + tokens.ids(SCRATCH_TOKENS), {"session": "s", "branch": "f1", "parent_branch": "main"})
+        # The fork owns the full pages past its fork point's page (a boundary inside a page rounds up).
+        scratch_pages = (PROMPT_TOKENS + SCRATCH_TOKENS) // 16 - -(-PROMPT_TOKENS // 16)
+        wait_for(lambda: pages() >= history_pages + scratch_pages, "the fork's scratch never reached the store")
+        before = pages()
+        status, closed = srv.request("POST", "/agentcache/branch/close", {"session": "s", "branch": "f1"})
+        assert status == 200 and closed["closed"], closed
+        wait_for(lambda: "f1" not in _hicache(srv)["branches"], "the fork's nodes were never deleted")
+        wait_for(lambda: pages() <= before - scratch_pages, "the fork's pages stayed in the store")
+        deleted = _hicache(srv)["deleted"]
+        assert deleted["l3_pages_deleted"] == deleted["l3_files_removed"] == scratch_pages, deleted
+        assert deleted["l3_delete_errors"] == 0
+        assert pages() >= history_pages  # the session's own pages stay
+        _check(srv)

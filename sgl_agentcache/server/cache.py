@@ -148,6 +148,7 @@ class AgentRadixCache(UnifiedRadixCache):
         # controller and L3 storage then carry the host bytes, and our own host tier stays empty.
         self.on_hicache = False
         self.hicache_deletes = {"device_tokens": 0, "host_tokens": 0, "backups_skipped_tokens": 0}
+        self.l3 = None  # an L3Deleter when HiCache runs with a storage backend
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # Every copy between the device and the host tier is followed by one agreement step, so a copy
         # that failed on one TP rank makes every rank take the fallback (see server/agreement.py).
@@ -182,6 +183,10 @@ class AgentRadixCache(UnifiedRadixCache):
         self.loads.enabled = False
         self.pauses.host.capacity_tokens = 0
         self.tree_core.backup_veto = self._no_host_copy
+        # L3: deleted nodes' pages go from the store too, where the backend can delete (server/l3_store.py).
+        from sgl_agentcache.server.l3_store import L3Deleter
+
+        self.l3 = L3Deleter(self.cache_controller.storage_backend) if self.enable_storage else None
         self.tree_core.mark_reclaim_due()
 
     def _no_host_copy(self, node) -> bool:
@@ -829,6 +834,7 @@ class AgentRadixCache(UnifiedRadixCache):
         heap = [(n.last_access_time, n.id, n) for n in members if core.deletable_everywhere(n)]
         heapq.heapify(heap)
         device = host = 0
+        pages: list[str] = []
         while heap:
             _, _, node = heapq.heappop(heap)
             if not core.deletable_everywhere(node):
@@ -836,13 +842,25 @@ class AgentRadixCache(UnifiedRadixCache):
             data = node.component_data[FULL]
             device += len(data.value) if data.value is not None else 0
             host += len(data.host_value) if data.host_value is not None else 0
+            if self.l3 is not None and node.hash_value:
+                pages.extend(node.hash_value)
             parent = node.parent
             self._apply_eviction_result(core.delete_everywhere(node))
             if parent in members and core.deletable_everywhere(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         self.hicache_deletes["device_tokens"] += device
         self.hicache_deletes["host_tokens"] += host
+        if pages:
+            self._delete_from_l3(pages)
         return device
+
+    def _delete_from_l3(self, pages: list[str]) -> None:
+        """Deleted nodes' L3 pages: forgotten by HiCache's belief of what storage holds (on every rank,
+        in the same order: those beliefs decide prefetches), then deleted from the store off-thread."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        self.storage_existence_cache.pool(PoolName.KV).invalidate_beyond(pages, 0)
+        self.l3.delete(pages)
 
     def _evict_device_leaf(self, node_id, tracker):
         """Stock eviction of one leaf (memory pressure). A leaf paused branches' host copies hang from is
@@ -885,9 +903,12 @@ class AgentRadixCache(UnifiedRadixCache):
             else:
                 self.hicache_deletes["host_tokens"] += len(data.host_value)
             self.hicache_deletes["device_tokens"] += len(node.key)
+            pages = list(node.hash_value) if self.l3 is not None and node.hash_value else None
             result = core.delete_everywhere(node)
             self._apply_eviction_result(result)
             self._accumulate_tracker(tracker, result.tracker)
+            if pages:
+                self._delete_from_l3(pages)
             return None
         return super()._evict_device_leaf(node_id, tracker)
 
@@ -1031,7 +1052,7 @@ class AgentRadixCache(UnifiedRadixCache):
         return {"attached": True, "write_policy": "write_back" if self.is_write_back else "write_through",
                 "host_pool_tokens": int(host.size), "host_available_tokens": int(host.available_size()),
                 "host_tokens_by_class": counts, "storage_backend": bool(self.enable_storage),
-                "deleted": dict(self.hicache_deletes),
+                "deleted": dict(self.hicache_deletes) | (self.l3.counters if self.l3 is not None else {}),
                 "vetoed_backup_tokens": self.tree_core.vetoed_backup_tokens}
 
     def _hicache_host_tokens(self, namespace: str) -> int:
