@@ -9,11 +9,11 @@ tier (1x the pool per worker):
 - ``stock-round-robin``: stock SGLang workers, the router's ``round_robin`` policy, no host tier;
 - ``stock-cache-aware``: stock SGLang workers, the router's ``cache_aware`` policy (prefix affinity:
   what a stock deployment uses to keep agent prefixes together), no host tier;
-- ``hicache-cache-aware``: the write-back host tier (``AGENTCACHE_HOST_SPILL=1``, no hints: stock LRU
-  order, see server_recompute.py) behind ``cache_aware``;
+- ``hicache-cache-aware``: stock SGLang workers with SGLang's own HiCache, write-back (``--hicache-ratio``:
+  the same host tokens per worker as ours; see server_recompute.py) behind ``cache_aware``;
 - ``stock-cache-aware-lpm``, ``hicache-cache-aware-lpm``: the same with SGLang's ``--schedule-policy lpm``
   on the workers;
-- ``hicache-session``: the same write-back host tier, routed as ours is (the router's ``manual`` policy
+- ``hicache-session``: the same HiCache workers, routed as ours is (the router's ``manual`` policy
   with the session's routing key, no hint): the control that separates our cache from our routing;
   ``hicache-session-lpm`` the same with SGLang's ``--schedule-policy lpm`` on its workers;
 - ``agentcache-no-host``: ours, hints on every call, **no** host tier, the router's ``manual`` policy
@@ -64,18 +64,19 @@ from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
 from sgl_agentcache.trace.generators import generate  # noqa: E402
 
 WORKERS = 2
-#: name -> (radix-cache backend, hints and routes, host tier with node spill, router policy); ``manual``
-#: routes by the session's routing key (hinted systems send their hint with it, the others only the key).
+#: name -> (radix-cache backend, hints and routes, host tier, router policy). The host tier: ``"spill"``
+#: ours with its node spill, ``"hicache"`` SGLang's own HiCache (write-back), None. ``manual`` routes by the
+#: session's routing key (hinted systems send their hint with it, the others only the key).
 SYSTEMS = {
-    "stock-round-robin": (None, False, False, "round_robin"),
-    "stock-cache-aware": (None, False, False, "cache_aware"),
-    "stock-cache-aware-lpm": (None, False, False, "cache_aware"),
-    "hicache-cache-aware": ("agentcache", False, True, "cache_aware"),
-    "hicache-cache-aware-lpm": ("agentcache", False, True, "cache_aware"),
-    "hicache-session": ("agentcache", False, True, "manual"),
-    "hicache-session-lpm": ("agentcache", False, True, "manual"),
-    "agentcache-no-host": ("agentcache", True, False, "manual"),
-    "agentcache": ("agentcache", True, True, "manual"),
+    "stock-round-robin": (None, False, None, "round_robin"),
+    "stock-cache-aware": (None, False, None, "cache_aware"),
+    "stock-cache-aware-lpm": (None, False, None, "cache_aware"),
+    "hicache-cache-aware": (None, False, "hicache", "cache_aware"),
+    "hicache-cache-aware-lpm": (None, False, "hicache", "cache_aware"),
+    "hicache-session": (None, False, "hicache", "manual"),
+    "hicache-session-lpm": (None, False, "hicache", "manual"),
+    "agentcache-no-host": ("agentcache", True, None, "manual"),
+    "agentcache": ("agentcache", True, "spill", "manual"),
 }
 #: (ours, theirs): the pairs with equal device pools and equal host bytes.
 COMPARISONS = (("agentcache", "hicache-session"), ("agentcache", "hicache-session-lpm"),
@@ -152,15 +153,18 @@ def _start_all(workers: list[CpuServer]) -> None:
 
 def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple[dict, list]:
     """``cfg["passes"]`` passes on fresh workers behind a fresh router (as server_recompute.run_backend)."""
-    backend, agent, spill, policy = SYSTEMS[name]
-    env = {}
-    if spill:
+    backend, agent, host, policy = SYSTEMS[name]
+    env, extra = {}, ["--schedule-policy", schedule_policy(name)]
+    if host == "spill":
         env = {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(single.host_tokens(cfg))}
     elif backend:
         env = {"AGENTCACHE_HOST_TOKENS": "0"}
+    if host == "hicache":  # its host pool sized to the same host tokens (plus one padding page)
+        extra += ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back", "--hicache-io-backend",
+                  "direct", "--hicache-ratio", f"{cfg['host_ratio']:g}"]
     workers = [CpuServer(str(model.path), backend=backend, log_path=log_dir / f"{name}-w{i}.log",
                          max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env,
-                         extra_args=("--schedule-policy", schedule_policy(name)))
+                         extra_args=tuple(extra))
                for i in range(WORKERS)]
     per_worker = [[] for _ in workers]
     router = RouterProcess([w.url for w in workers], policy=policy, log_path=log_dir / f"{name}-router.log")
@@ -194,18 +198,18 @@ def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple
     summary["passes"] = [{f: s[f] for f in single.PASS_FIELDS if f in s} for s, _ in runs]
     summary |= {"pool_tokens_per_worker": cfg["pool_tokens"], "workers": WORKERS, "router_policy": policy,
                 "schedule_policy": schedule_policy(name),
-                "host_tokens_per_worker": single.host_tokens(cfg) if spill else 0,
-                "per_worker": [_worker_share(i, entries, per_worker, cfg, spill)
+                "host_tokens_per_worker": single.host_tokens(cfg) if host else 0,
+                "per_worker": [_worker_share(i, entries, per_worker, cfg, bool(host))
                                for i, entries in enumerate(per_worker)]}
     return summary, [[rep.rows[i].get(c) for c in single.ROW_COLUMNS] for i in sorted(rep.rows)]
 
 
-def _worker_share(i: int, entries: list[dict], all_workers: list[list[dict]], cfg: dict, spill: bool) -> dict:
+def _worker_share(i: int, entries: list[dict], all_workers: list[list[dict]], cfg: dict, host: bool) -> dict:
     """Worker ``i`` over every pass: its memory, the share of calls it prefilled (from its log's
     ``#new-seq``), and its peak token usage in any pass."""
     calls = sum(e["prefill_requests"] for e in entries)
     everyone = sum(e["prefill_requests"] for w in all_workers for e in w)
-    return {"worker": i, "pool_tokens": cfg["pool_tokens"], "host_tokens": single.host_tokens(cfg) if spill else 0,
+    return {"worker": i, "pool_tokens": cfg["pool_tokens"], "host_tokens": single.host_tokens(cfg) if host else 0,
             "prefilled_calls": calls, "share_of_calls": round(calls / max(everyone, 1), 3),
             "peak_token_usage": max((e["peak_token_usage"] for e in entries), default=0.0)}
 
@@ -264,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"workload": "branch_heavy", "workers": WORKERS, **{k: v for k, v in cfg.items() if k != "trace"},
                    "host_tokens_per_worker": single.host_tokens(cfg), "trace_params": cfg["trace"],
                    "sessions_dropped_for_context": dropped, "trace_stats": single.trace_stats(trace, plan),
-                   "systems": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": sp,
+                   "systems": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": ht == "spill",
+                                   "hicache_write_policy": "write_back" if ht == "hicache" else None,
                                    "router_policy": pol, "schedule_policy": schedule_policy(n)}
-                               for n, (b, h, sp, pol) in SYSTEMS.items() if n in names}},
+                               for n, (b, h, ht, pol) in SYSTEMS.items() if n in names}},
         "systems": systems,
         "comparison": compare(systems) if set(names) == set(SYSTEMS) else {},
         "requests": {"columns": list(single.ROW_COLUMNS), **rows},
