@@ -222,7 +222,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.eviction_key = self._lifecycle_key if key is None else key
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
-        if node.evicted:  # only HiCache's host eviction ranks host-only nodes
+        if self.on_hicache and node.evicted:  # only HiCache's host eviction ranks host-only nodes
             return self._hicache_host_key(node, base_priority)
         copies = self.copies
         state, anchors, leaving = node.agent, copies.anchors, copies.leaving
@@ -833,26 +833,32 @@ class AgentRadixCache(UnifiedRadixCache):
         members = set(candidates)
         heap = [(n.last_access_time, n.id, n) for n in members if core.deletable_everywhere(n)]
         heapq.heapify(heap)
-        device = host = 0
-        pages: list[str] = []
+        device_before = self.hicache_deletes["device_tokens"]
+        pages: list[str] | None = [] if self.l3 is not None else None
         while heap:
             _, _, node = heapq.heappop(heap)
             if not core.deletable_everywhere(node):
                 continue
-            data = node.component_data[FULL]
-            device += len(data.value) if data.value is not None else 0
-            host += len(data.host_value) if data.host_value is not None else 0
-            if self.l3 is not None and node.hash_value:
-                pages.extend(node.hash_value)
             parent = node.parent
-            self._apply_eviction_result(core.delete_everywhere(node))
+            self._delete_node_everywhere(node, pages)
             if parent in members and core.deletable_everywhere(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        self.hicache_deletes["device_tokens"] += device
-        self.hicache_deletes["host_tokens"] += host
         if pages:
             self._delete_from_l3(pages)
-        return device
+        return self.hicache_deletes["device_tokens"] - device_before
+
+    def _delete_node_everywhere(self, node, pages: list[str] | None):
+        """Delete one node ``AgentTreeCore.deletable_everywhere`` allows, on the device and in HiCache's
+        host pool, and count it; its L3 page hashes are appended to ``pages`` (None: no L3 store) for
+        the caller to delete in one batch. Returns the drained step result."""
+        data, counts = node.component_data[FULL], self.hicache_deletes
+        counts["device_tokens"] += len(data.value) if data.value is not None else 0
+        counts["host_tokens"] += len(data.host_value) if data.host_value is not None else 0
+        if pages is not None and node.hash_value:
+            pages.extend(node.hash_value)
+        result = self.tree_core.delete_everywhere(node)
+        self._apply_eviction_result(result)
+        return result
 
     def _delete_from_l3(self, pages: list[str]) -> None:
         """Deleted nodes' L3 pages: forgotten by HiCache's belief of what storage holds (on every rank,
@@ -897,16 +903,10 @@ class AgentRadixCache(UnifiedRadixCache):
         core = self.tree_core
         node = core.node_by_id(node_id)
         if node.agent.terminated and core.deletable_everywhere(node):
-            data = node.component_data[FULL]
-            if data.host_value is None:
+            if node.component_data[FULL].host_value is None:
                 self.hicache_deletes["backups_skipped_tokens"] += len(node.key)
-            else:
-                self.hicache_deletes["host_tokens"] += len(data.host_value)
-            self.hicache_deletes["device_tokens"] += len(node.key)
-            pages = list(node.hash_value) if self.l3 is not None and node.hash_value else None
-            result = core.delete_everywhere(node)
-            self._apply_eviction_result(result)
-            self._accumulate_tracker(tracker, result.tracker)
+            pages: list[str] | None = [] if self.l3 is not None else None
+            self._accumulate_tracker(tracker, self._delete_node_everywhere(node, pages).tracker)
             if pages:
                 self._delete_from_l3(pages)
             return None

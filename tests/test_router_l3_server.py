@@ -1,0 +1,89 @@
+"""Two agentcache workers on SGLang's HiCache sharing one L3 ``file`` store, behind SGLang's router
+(issue #36 item 5).
+
+Each worker runs our backend on HiCache (write-through, so a session's pages reach the store while it
+runs) with the same ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``; the router runs ``--policy manual``
+and pins each session's routing key to one worker. When a worker dies, the router re-pins its
+sessions to the survivor: with the shared store their next call loads the history from L3 instead of
+recomputing it (``tests/test_router_server.py`` shows the same move without L3: cold), while the
+survivor's own sessions keep their device cache.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from sgl_agentcache.cpu_server import CpuServer
+from sgl_agentcache.gateway import gateway_headers
+from sgl_agentcache.router_process import RouterProcess, router_available
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+PAGE = 16
+HISTORY = 256  # tokens of each session's first prompt: 16 full pages
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+def _turn(router: RouterProcess, session: str, ids: list[int]) -> dict:
+    status, out = router.request("POST", "/generate", {"input_ids": ids, "sampling_params": GREEDY},
+                                 headers=gateway_headers({"session": session}))
+    assert status == 200, out
+    return out
+
+
+def _holder(workers, session: str) -> int:
+    for i, worker in enumerate(workers):
+        status, stats = worker.request("GET", "/agentcache/stats")
+        assert status == 200, stats
+        if any(b["session"] == session for b in stats["branches"]):
+            return i
+    raise AssertionError(f"no worker holds {session}")
+
+
+def test_a_killed_workers_sessions_continue_from_the_shared_l3_store(tiny_model, tmp_path):
+    if not router_available():
+        pytest.fail("sglang_router is not importable: install the test extra (it pins sglang-router==0.3.2)")
+    store = tmp_path / "l3"
+    store.mkdir()
+    workers = [CpuServer(str(tiny_model.path), log_path=tmp_path / f"worker{i}.log", max_total_tokens=2048,
+                         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)},
+                         extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
+                                     "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "2",
+                                     "--hicache-storage-backend", "file", "--page-size", str(PAGE)))
+               for i in range(2)]
+    router = RouterProcess([w.url for w in workers], log_path=tmp_path / "router.log")
+    rng = random.Random(7)
+    try:
+        for worker in workers:
+            worker.start()
+        router.start()
+        prompts, placed = {}, {}
+        while min(list(placed.values()).count(i) for i in (0, 1)) < 1:  # a session on each worker
+            assert len(prompts) < 8, placed  # min_group gives a new key to the worker holding fewer
+            session = f"s{len(prompts)}"
+            prompts[session] = [rng.randrange(3, tiny_model.vocab_size) for _ in range(HISTORY)]
+            out = _turn(router, session, prompts[session])
+            prompts[session] += out["output_ids"] + [rng.randrange(3, tiny_model.vocab_size) for _ in range(20)]
+            placed[session] = _holder(workers, session)
+        # Write-through backs each history up and writes its pages to the store a few steps later.
+        deadline = time.monotonic() + 30
+        while len(list(store.glob("*.bin"))) < len(prompts) * (HISTORY // PAGE):
+            assert time.monotonic() < deadline, "the histories never reached the shared store"
+            time.sleep(0.2)
+        workers[1].stop()  # dies with its sessions; the router re-pins them to worker 0
+        for session, ids in prompts.items():
+            details = _turn(router, session, ids)["meta_info"]["cached_tokens_details"]
+            if placed[session] == 0:
+                assert details["device"] >= HISTORY, details  # the survivor's own: still on its device
+            else:
+                # Moved: the history comes from the store, not recomputed (cold would be 0).
+                assert details.get("storage", 0) >= HISTORY // PAGE * PAGE, details
+        status, report = workers[0].request("GET", "/agentcache/check")
+        assert status == 200 and report["ok"], report
+    finally:
+        router.stop()
+        for worker in workers:
+            worker.stop()
