@@ -76,6 +76,21 @@ def test_direct_page_first_round_trip_matches_the_device_rows(page_size):
         assert torch.equal(back_v[layer][target], device_v[layer][device_idx])
 
 
+def test_on_cpu_the_host_memory_reserve_is_one_gib():
+    """SGLang's 10 GiB reserve would refuse a few-MB pool on a 24 GiB machine running several servers."""
+    import types
+
+    shim = _shim()
+    base = types.ModuleType("sglang.srt.mem_cache.pool_host.base")
+    base.HostKVCache = type("HostKVCache", (), {"pin_memory": True})
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
+    shim._patch(base)
+    assert base.HICACHE_HOST_MEMORY_RESERVE_BYTES == 1024**3 and base.HostKVCache().pin_memory is False
+    from sglang.srt.mem_cache.pool_host import base as real  # this environment's, patched by the .pth hook
+
+    assert real.HICACHE_HOST_MEMORY_RESERVE_BYTES == 1024**3
+
+
 def test_the_shim_leaves_a_real_kernel_build_alone(tmp_path):
     """Next to a GPU torch nothing is patched (stand-in modules: no GPU torch can run here)."""
     import subprocess

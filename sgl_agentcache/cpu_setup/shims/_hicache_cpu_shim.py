@@ -14,6 +14,10 @@ module that looks for it is imported (SGLang's files are not changed):
   every source layer is copied to token ``dst_indices[i]`` of the matching destination layer.
 - ``torch.cpu.Stream.synchronize``: the CPU stand-in stream lacks it. CPU copies finish before the call
   that makes them returns, so waiting on a stream has nothing to wait for.
+- a smaller host-memory reserve: SGLang keeps 10 GiB of host RAM out of every HiCache pool's budget
+  (``HICACHE_HOST_MEMORY_RESERVE_BYTES``), sized for GPU hosts. A CPU dev or CI machine running several
+  small servers side by side (the benchmarks start up to nine) drops under that and the next server
+  refuses a pool of a few MB. On a CPU torch the reserve is 1 GiB.
 
 The ``kernel`` io backend (CUDA kernels over pointer tables) stays unavailable: launch with
 ``--hicache-io-backend direct`` and ``--hicache-mem-layout layer_first`` or ``page_first_direct``.
@@ -87,6 +91,9 @@ def _stream_synchronize(self):
     """CPU copies finish before the call that issues them returns: nothing to wait for."""
 
 
+#: Host RAM kept out of HiCache pool budgets on a CPU-only torch (SGLang's default is 10 GiB).
+CPU_HOST_MEMORY_RESERVE_BYTES = 1024**3
+
 _TRANSFERS = {fn.__name__: fn for fn in (transfer_kv_direct, transfer_kv_per_layer_direct_pf_lf,
                                          transfer_kv_all_layer_direct_lf_pf)}
 
@@ -97,6 +104,9 @@ def _patch(module):
         return
     if module.__name__.endswith(".base"):
         module.HostKVCache.pin_memory = _NEVER_PINNED
+        reserve = getattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES", None)
+        if reserve is not None:  # read at each pool's allocation (host_memory_budget_bytes)
+            module.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(reserve, CPU_HOST_MEMORY_RESERVE_BYTES)
         if not hasattr(torch.cpu.Stream, "synchronize"):
             torch.cpu.Stream.synchronize = _stream_synchronize
         return
