@@ -36,13 +36,27 @@ PROMPT_TOKENS = 300
 SCRATCH_TOKENS = 200
 
 
-def _server(tiny_model, log_path, policy: str, layout: str, **env: str) -> CpuServer:
-    # Decisions priced as the seed deployment (36 KiB/token: a host copy is worth loading back).
-    return CpuServer(str(tiny_model.path), log_path=log_path, max_total_tokens=POOL_TOKENS,
-                     env={"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_PREFETCH_BUDGET_TOKENS": "512", **env},
+#: Decisions priced as the seed deployment (36 KiB/token: a host copy is worth loading back), and a
+#: prefetch budget a whole history fits in.
+PRICED = {"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_PREFETCH_BUDGET_TOKENS": "512"}
+
+
+def _server(tiny_model, tmp_path, *flags: str, **env: str) -> CpuServer:
+    """Our backend on HiCache with the ``direct`` io backend (the one the CPU shim provides), plus ``flags``."""
+    return CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS, env=env,
                      extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
-                                 "direct", "--hicache-write-policy", policy, "--hicache-mem-layout", layout,
-                                 "--hicache-ratio", "4"))
+                                 "direct", *flags))
+
+
+def _policy(policy: str, layout: str = "layer_first", ratio: int = 4) -> tuple[str, ...]:
+    return ("--hicache-write-policy", policy, "--hicache-mem-layout", layout, "--hicache-ratio", str(ratio))
+
+
+def _wait_for(done, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 def _generate(srv: CpuServer, ids: list[int], hint: dict | None = None) -> dict:
@@ -84,7 +98,7 @@ def _logprobs(meta: dict) -> list:
 def test_a_closed_fork_leaves_neither_the_device_nor_hicaches_host_pool(tiny_model, tokens, tmp_path, policy, layout):
     """write_through backs the fork's scratch up as it is inserted, so the close finds it on both tiers;
     write_back backs it up only when device pressure evicts it, so the close finds it on host only."""
-    with _server(tiny_model, tmp_path / "sglang.log", policy, layout).start() as srv:
+    with _server(tiny_model, tmp_path, *_policy(policy, layout), **PRICED).start() as srv:
         stats = _hicache(srv)
         assert stats["attached"] and stats["write_policy"] == policy
         assert stats["host_pool_tokens"] >= 4 * POOL_TOKENS
@@ -127,7 +141,7 @@ def test_a_closed_fork_leaves_neither_the_device_nor_hicaches_host_pool(tiny_mod
 
 
 def test_a_paused_branch_is_prefetched_through_hicaches_load_path(tiny_model, tokens, tmp_path):
-    with _server(tiny_model, tmp_path / "sglang.log", "write_back", "layer_first").start() as srv:
+    with _server(tiny_model, tmp_path, *_policy("write_back"), **PRICED).start() as srv:
         history = tokens.ids(PROMPT_TOKENS)
         device_hit = _generate(srv, history, {"session": "p"})
         device_hit = _generate(srv, history, {"session": "p"})
@@ -155,11 +169,8 @@ def test_with_a_file_l3_store_a_sessions_history_comes_back_from_storage(tiny_mo
     history out of both tiers; the ``file`` store (pages of 16) returns it with the same logprobs."""
     store = tmp_path / "l3"
     store.mkdir()
-    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
-                    env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)},
-                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
-                                "direct", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
-                                "--page-size", "16"))
+    srv = _server(tiny_model, tmp_path, "--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size",
+                  "16", SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(store))
     stored = PROMPT_TOKENS // 16 * 16
     with srv.start():
         history = tokens.ids(PROMPT_TOKENS)
@@ -176,7 +187,7 @@ def test_with_a_file_l3_store_a_sessions_history_comes_back_from_storage(tiny_mo
 
 
 def test_write_through_backs_up_no_scratch_of_a_fork_over_its_quota(tiny_model, tokens, tmp_path):
-    with _server(tiny_model, tmp_path / "sglang.log", "write_through", "layer_first",
+    with _server(tiny_model, tmp_path, *_policy("write_through"), **PRICED,
                  AGENTCACHE_BRANCH_QUOTA_TOKENS="64").start() as srv:
         history = tokens.ids(PROMPT_TOKENS)
         _generate(srv, history, {"session": "q"})
@@ -192,10 +203,8 @@ def test_host_eviction_keeps_a_branch_paused_with_offload_advice(tiny_model, tok
     import json
 
     priors = json.dumps({"ci_run": {"median_s": 60.0, "sigma": 1.5}})
-    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
-                    env={"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_TOOL_PRIORS": priors},
-                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
-                                "direct", "--hicache-write-policy", "write_back", "--hicache-ratio", "1"))
+    srv = _server(tiny_model, tmp_path, "--hicache-write-policy", "write_back", "--hicache-ratio", "1",
+                  AGENTCACHE_PROFILE="seed", AGENTCACHE_TOOL_PRIORS=priors)
     with srv.start():
         history = tokens.ids(PROMPT_TOKENS)
         device_hit = _generate(srv, history, {"session": "paused"})
@@ -219,10 +228,8 @@ def test_a_tenant_purge_empties_its_share_of_hicaches_host_pool(tiny_model, toke
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'admin_keys = ["{key_digest(admin)}"]\n\n'
                        + "".join(f'[tenants.{name}]\nkeys = ["{key_digest(key)}"]\n\n' for name, key in keys.items()))
-    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
-                    env={"AGENTCACHE_TENANTS": str(tenants), "AGENTCACHE_SECRET": "s" * 48},
-                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
-                                "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "4"))
+    srv = _server(tiny_model, tmp_path, "--hicache-write-policy", "write_through", "--hicache-ratio", "4",
+                  AGENTCACHE_TENANTS=str(tenants), AGENTCACHE_SECRET="s" * 48)
 
     def call(tenant_key, method, path, body=None):
         status, reply = srv.request(method, path, body, headers={"x-agentcache-key": tenant_key})
@@ -237,10 +244,8 @@ def test_a_tenant_purge_empties_its_share_of_hicaches_host_pool(tiny_model, toke
     with srv.start():
         for tenant in keys:  # the same prompt from both: write-through backs each tenant's copy up
             generate(tenant, prompt)
-        deadline = time.monotonic() + 30
-        while call(keys["acme"], "GET", "/agentcache/stats")["host_tokens"] < PROMPT_TOKENS:
-            assert time.monotonic() < deadline, "acme's prompt never reached HiCache's host pool"
-            time.sleep(0.2)
+        _wait_for(lambda: call(keys["acme"], "GET", "/agentcache/stats")["host_tokens"] >= PROMPT_TOKENS,
+                  "acme's prompt never reached HiCache's host pool")
         before = call(admin, "GET", "/agentcache/stats")["hicache"]
         purged = call(admin, "POST", "/agentcache/admin/purge", {"tenant": "acme"})
         assert purged["locked_tokens"] == 0 and purged["host_freed_tokens"] >= PROMPT_TOKENS, purged
@@ -259,34 +264,25 @@ def test_a_close_deletes_the_forks_pages_from_the_deleting_file_store(tiny_model
 
     store = tmp_path / "l3"
     store.mkdir()
-    srv = CpuServer(str(tiny_model.path), log_path=tmp_path / "sglang.log", max_total_tokens=POOL_TOKENS,
-                    env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)},
-                    extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
-                                "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "2",
-                                "--hicache-storage-backend", "dynamic",
-                                "--hicache-storage-backend-extra-config", EXTRA_CONFIG, "--page-size", "16"))
+    srv = _server(tiny_model, tmp_path, "--hicache-write-policy", "write_through", "--hicache-ratio", "2",
+                  "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", EXTRA_CONFIG,
+                  "--page-size", "16", SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(store))
     pages = lambda: len(list(store.glob("*.bin")))  # noqa: E731
     history_pages = PROMPT_TOKENS // 16
-
-    def wait_for(done, what):
-        deadline = time.monotonic() + 30
-        while not done():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.2)
 
     with srv.start():
         history = tokens.ids(PROMPT_TOKENS)
         _generate(srv, history, {"session": "s"})
-        wait_for(lambda: pages() >= history_pages, "the history never reached the store")
+        _wait_for(lambda: pages() >= history_pages, "the history never reached the store")
         _generate(srv, history + tokens.ids(SCRATCH_TOKENS), {"session": "s", "branch": "f1", "parent_branch": "main"})
         # The fork owns the full pages past its fork point's page (a boundary inside a page rounds up).
         scratch_pages = (PROMPT_TOKENS + SCRATCH_TOKENS) // 16 - -(-PROMPT_TOKENS // 16)
-        wait_for(lambda: pages() >= history_pages + scratch_pages, "the fork's scratch never reached the store")
+        _wait_for(lambda: pages() >= history_pages + scratch_pages, "the fork's scratch never reached the store")
         before = pages()
         status, closed = srv.request("POST", "/agentcache/branch/close", {"session": "s", "branch": "f1"})
         assert status == 200 and closed["closed"], closed
-        wait_for(lambda: "f1" not in _hicache(srv)["branches"], "the fork's nodes were never deleted")
-        wait_for(lambda: pages() <= before - scratch_pages, "the fork's pages stayed in the store")
+        _wait_for(lambda: "f1" not in _hicache(srv)["branches"], "the fork's nodes were never deleted")
+        _wait_for(lambda: pages() <= before - scratch_pages, "the fork's pages stayed in the store")
         deleted = _hicache(srv)["deleted"]
         assert deleted["l3_pages_deleted"] == deleted["l3_files_removed"] == scratch_pages, deleted
         assert deleted["l3_delete_errors"] == 0

@@ -1044,10 +1044,9 @@ class AgentRadixCache(UnifiedRadixCache):
         if not self.on_hicache:
             return {"attached": False}
         counts = {"stable": 0, "session": 0, "scratch": 0, "untagged": 0, "terminated": 0}
-        for node in self.tree_core.all_nodes():
-            data = node.component_data[FULL]
-            if node is not self.tree_core.root_node and data.host_value is not None:
-                counts["terminated" if node.agent.terminated else node.agent.cls.name.lower()] += len(data.host_value)
+        for node in self.tree_core.host_holders():
+            counts["terminated" if node.agent.terminated else node.agent.cls.name.lower()] += \
+                len(node.component_data[FULL].host_value)
         host = self.cache_controller.mem_pool_host
         return {"attached": True, "write_policy": "write_back" if self.is_write_back else "write_through",
                 "host_pool_tokens": int(host.size), "host_available_tokens": int(host.available_size()),
@@ -1059,10 +1058,8 @@ class AgentRadixCache(UnifiedRadixCache):
         """Tokens of ``namespace`` in HiCache's host pool (0 without HiCache)."""
         if not self.on_hicache:
             return 0
-        core = self.tree_core
-        return sum(len(n.component_data[FULL].host_value) for n in core.all_nodes()
-                   if n is not core.root_node and n.component_data[FULL].host_value is not None
-                   and namespace_key(n.key.extra_key, n.key.cache_salt) == namespace)
+        return sum(len(n.component_data[FULL].host_value) for n in self.tree_core.host_holders()
+                   if namespace_key(n.key.extra_key, n.key.cache_salt) == namespace)
 
     def namespace_stats(self, namespace: str) -> dict:
         """One namespace's own view of the cache (what a tenant may read: nothing of anyone else's)."""

@@ -312,6 +312,11 @@ class AgentTreeCore(UnifiedTreeCore):
         """Unlocked, device-resident, no device-resident children: evictable right now."""
         return node in self.evictable_device_leaves
 
+    def host_holders(self) -> list[UnifiedTreeNode]:
+        """Every node holding HiCache host slots (its base component's ``host_value`` is set)."""
+        return [n for n in self._collect_all_nodes()
+                if n is not self.root_node and n.component_data[FULL].host_value is not None]
+
     def awaits_reclaim(self, node: UnifiedTreeNode) -> bool:
         """A reclaim would free ``node`` now, if it is terminated: an unlocked device leaf, or under
         HiCache a node :meth:`deletable_everywhere` allows (a device leaf with host-only children stays)."""
