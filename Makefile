@@ -29,12 +29,14 @@ demo-server: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache demo
 
 ## bench: regenerate the committed results under bench/results/ (replay suite: every system at equal
-##        pool and host tier, 10 seeds, real traces; 38 real sessions with intervals over sessions; tree
+##        pool and host tier, 10 seeds, real traces; 38 real sessions with intervals over sessions; the
+##        admission orders on the same sessions; tree
 ##        overhead; the real-server benchmark; the replay against the server), then the
 ##        results blocks of README.md and bench/README.md. CPU only, 2 worker processes; see bench/README.md.
 bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --out bench/results/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/real_sessions.py
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/admission.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/replay_vs_server.py
@@ -45,6 +47,7 @@ QUICK_OUT ?= bench-quick
 bench-quick: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --quick --out $(QUICK_OUT)/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/real_sessions.py --quick --out $(QUICK_OUT)
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/admission.py --quick --out $(QUICK_OUT)
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py --quick --out $(QUICK_OUT)
 
 ## soak: three phases of 160 s, each on a fresh CPU server: concurrent agents (forks, pauses, prefetches,

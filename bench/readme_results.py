@@ -265,6 +265,51 @@ def _server_on_hicache(body: dict) -> list[str]:
              "tier, in a run of its own (`--backends`):", ""] + _server(body))
 
 
+#: The server benchmark's subset run for issue #40: program-aware admission over ours under lpm.
+ADMISSION_SERVER = "server_recompute-hicache-wb-lpm+agentcache-lpm+agentcache-admit-lpm.json"
+
+
+def _server_admission(body: dict) -> list[str]:
+    admit = body["backends"]["agentcache-admit-lpm"].get("agentcache", {}).get("stats", {}).get("admission", {})
+    moved = (f" (last pass: {admit['reordered_passes']} of {admit['passes']} scheduler passes reordered, "
+             f"{admit['moved_ahead']} requests moved ahead)" if admit.get("passes") else "")
+    return ([f"Program-aware admission on the real server (`agentcache-admit-lpm`: `AGENTCACHE_ADMISSION=agent` "
+             f"over `lpm`'s order){moved}, in a run of its own (`--backends`):", ""] + _server(body))
+
+
+_ADMISSION_COLUMNS = _SESSION_COLUMNS + (("first_ttft_s", "first-call TTFT"),)
+
+
+def _admission(body: dict) -> list[str]:
+    """The admission study: ours (our cache and admission order) against every other system."""
+    cfg = body["config"]
+    n = len({r["session"] for r in body["rows"]})
+    systems = ", ".join(f"`{name}` ({s['policy']} + {s['admission']})" for name, s in body["systems"].items())
+    cells = {(c["other"], c["metric"]): c for c in body["comparisons"]}
+    columns = [label for _, label in _ADMISSION_COLUMNS]
+    out = [f"Admission order on the real sessions (`bench/admission.py`; the same {n} sessions, groups and "
+           f"{cfg['pressure']} pool as above, host {cfg['host_ratio']:g}x of the pool for every system but "
+           f"stock; systems as cache policy + admission strategy: {systems}). Mean of per-session ratios, "
+           "95% t interval over sessions, a verdict only where a group bootstrap agrees:", "",
+           "**ours / other, per session** | " + " | ".join(columns), "---|" + "|".join("---:" for _ in columns)]
+    for other in body["systems"]:
+        if (other, "recomputed_tokens") in cells:
+            out.append(f"/ {other} | " + " | ".join(_session_cell(cells.get((other, m))) for m, _ in _ADMISSION_COLUMNS))
+    return out + [""]
+
+
+def _admission_summary(body: dict) -> list[str]:
+    cells = {(c["other"], c["metric"]): c for c in body["comparisons"]}
+    parts = []
+    for other in ("hicache-lpm", "agentcache-fcfs", "stock"):
+        got = [f"{label} {_session_cell(cells.get((other, m)))}" for m, label in _ADMISSION_COLUMNS
+               if m in ("recomputed_tokens", "resume_ttft_p50_s", "resume_ttft_p99_s", "jct_s", "first_ttft_s")]
+        parts.append(f"/ {other}: " + "; ".join(got))
+    n = len({r["session"] for r in body["rows"]})
+    return [f"Program-aware admission, replay of the same {n} sessions (host {body['config']['host_ratio']:g}x), "
+            "ours (our cache + our admission order): " + " | ".join(parts) + ".", ""]
+
+
 def _cluster(body: dict) -> list[str]:
     cfg, systems = body["config"], body["systems"]
     out = [f"Two workers behind SGLang's router (`bench/cluster_recompute.py`; the real-server `{cfg['workload']}` "
@@ -494,7 +539,7 @@ def _render(sections: tuple, tail: tuple = ()) -> str:
 def render_summary() -> str:
     """The README's block: the headline table and the server's ratios."""
     return _render((("replay/results.json", _summary), ("real_sessions.json", _sessions_summary),
-                    ("server_recompute.json", _server_summary)),
+                    ("admission.json", _admission_summary), ("server_recompute.json", _server_summary)),
                    ("Every table, the host-tier sweep, the server's latencies, the tree's overhead, the soak, "
                     "and where ours loses: [`bench/README.md`](bench/README.md).", ""))
 
@@ -502,7 +547,9 @@ def render_summary() -> str:
 def render() -> str:
     """bench/README.md's block: every table."""
     return _render((("replay/results.json", _replay), ("real_sessions.json", _sessions),
+                    ("admission.json", _admission),
                     ("server_recompute.json", _server), (ON_HICACHE, _server_on_hicache),
+                    (ADMISSION_SERVER, _server_admission),
                     ("cluster_recompute.json", _cluster),
                     ("replay_vs_server.json", _replay_vs_server), ("tree_overhead.json", _overhead),
                     ("soak.json", _soak)))

@@ -18,7 +18,9 @@ same host tier:
 - ``agentcache``: ours, lifecycle hints on every call, the same host tier bytes and node spill;
 - ``agentcache-hicache-lpm``: ours on SGLang's own HiCache (write-back, the same host tokens in its host
   pool; our own host tier off), under ``lpm``: the measurement issue #36 asks for before our host tier
-  may go.
+  may go;
+- ``agentcache-admit-lpm``: ``agentcache-lpm`` with program-aware admission
+  (``AGENTCACHE_ADMISSION=agent``, issue #40): returning turns whose KV is resident before new sessions.
 
 A ``-lpm`` suffix: the same under SGLang's ``--schedule-policy lpm`` (the others run ``fcfs``).
 
@@ -108,6 +110,7 @@ class Backend(NamedTuple):
     spill: bool  # our host tier's node spill (AGENTCACHE_HOST_SPILL=1)
     schedule_policy: str  # --schedule-policy
     hicache_write_policy: str | None = None  # SGLang's own HiCache with this --hicache-write-policy
+    admission: str | None = None  # AGENTCACHE_ADMISSION: program-aware admission order (issue #40)
 
 
 #: ``lpm`` is SGLang's cache-aware order (longest prefix first, and in-batch prefix sharing: of waiting
@@ -121,13 +124,16 @@ BACKENDS = {"stock": Backend(None, False, False, "fcfs"), "stock-lpm": Backend(N
             "agentcache": Backend("agentcache", True, True, "fcfs"),
             "agentcache-lpm": Backend("agentcache", True, True, "lpm"),
             # Our lifecycle on SGLang's own HiCache (issue #36): its host pool, same host tokens.
-            "agentcache-hicache-lpm": Backend("agentcache", True, False, "lpm", "write_back")}
+            "agentcache-hicache-lpm": Backend("agentcache", True, False, "lpm", "write_back"),
+            # Ours with program-aware admission (issue #40) over lpm's order.
+            "agentcache-admit-lpm": Backend("agentcache", True, True, "lpm", admission="agent")}
 #: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against SGLang's HiCache
 #: under lpm (the strongest baseline here). The last pair checks the replay's emulation against the real one.
 COMPARISONS = (("agentcache", "hicache-wb-lpm"), ("agentcache", "hicache-wt-lpm"), ("agentcache-lpm", "hicache-wb-lpm"),
                ("agentcache", "hicache-wb"), ("agentcache", "emulated-wb-lpm"), ("agentcache", "stock"),
                ("agentcache", "stock-lpm"), ("emulated-wb-lpm", "hicache-wb-lpm"),
-               ("agentcache-hicache-lpm", "hicache-wb-lpm"), ("agentcache-hicache-lpm", "agentcache-lpm"))
+               ("agentcache-hicache-lpm", "hicache-wb-lpm"), ("agentcache-hicache-lpm", "agentcache-lpm"),
+               ("agentcache-admit-lpm", "hicache-wb-lpm"), ("agentcache-admit-lpm", "agentcache-lpm"))
 #: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
 #: when pauses go through the route).
 ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "ttft_s", "latency_s",
@@ -452,6 +458,8 @@ def start_server(name: str, model, cfg: dict, log_dir: Path) -> CpuServer:
         env |= {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(host_tokens(cfg))}
     elif b.radix_backend:
         env |= {"AGENTCACHE_HOST_TOKENS": "0"}
+    if b.admission:
+        env |= {"AGENTCACHE_ADMISSION": b.admission}
     extra = ["--schedule-policy", b.schedule_policy]
     if b.hicache_write_policy:
         # HiCache sizes its host pool as a multiple of the device pool (plus one padding page): the
@@ -530,7 +538,7 @@ def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
 
 COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache-wb": "#e08a2c", "hicache-wb-lpm": "#b05f10",
            "hicache-wt-lpm": "#8a4a0c", "emulated-wb-lpm": "#d8b26a", "agentcache": "#2b7bba",
-           "agentcache-lpm": "#164f80", "agentcache-hicache-lpm": "#2e9e6b"}
+           "agentcache-lpm": "#164f80", "agentcache-hicache-lpm": "#2e9e6b", "agentcache-admit-lpm": "#8a3ffc"}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -196,6 +196,18 @@ def _pause_book_prefetch_windows():
     assert pauses._prefetch_enabled(B)
 
 
+def _program_ledger():  # program-aware admission's memory of programs and branch paths
+    from sgl_agentcache.policy.admission_order import ProgramLedger
+
+    ledger = ProgramLedger(limit=16, namespace_limit=4)
+    ledger.receive((B, "s"), BranchKey(B, "s", "main"))
+    ledger.answer((B, "s"))
+    for i in range(FLOOD):
+        ledger.receive((A, f"s{i}"), BranchKey(A, f"s{i}", "main"))
+    assert ledger.returning((B, "s")) and BranchKey(B, "s", "main") in ledger.path
+    assert ledger.programs.namespace_size(A) <= 4 and ledger.path.namespace_size(A) <= 4
+
+
 #: Structure (file:attribute) -> the check that floods one namespace and finds another untouched.
 RULED = {
     "lifecycle.py:_branches": _recent_branches,  # cache.closed and cache.seen (RecentBranches)
@@ -219,6 +231,8 @@ RULED = {
     "tenancy.py:heap": _tombstones,
     "server/pauses.py:_outcomes": _pause_book_prefetch_windows,
     "server/pauses.py:state": _pause_book_prefetch_windows,
+    "policy/admission_order.py:programs": _program_ledger,
+    "policy/admission_order.py:path": _program_ledger,
 }
 
 #: Containers that are not per namespace, and why that is right.
@@ -243,6 +257,9 @@ EXEMPT = {
     "soak.py:counts": "the soak driver's own client-side tally",
     "trace/stats.py:events": "a trace file's summary, computed offline",
     "chat_infer.py:Counter": "fingerprints_by_namespace (ruled above)",
+    "policy/admission_order.py:recent": "admission's window of recent service, shared by every tenant on purpose: "
+                                        "it measures each tenant's share of the server's work, and a flood fills it "
+                                        "with the flooder's own charges (what holds the flooder back)",
 }
 
 _CONSTRUCTORS = re.compile(r"\b(OrderedDict|deque|NamespacedLRU|RecentBranches|Counter|heapq\.heappush)\(")

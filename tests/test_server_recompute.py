@@ -52,7 +52,7 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     stats = result["config"]["trace_stats"]
     assert stats["fork_branches"] > 0 and stats["resumes"] > 0 and stats["events"] > 0
     names = {"stock", "stock-lpm", "hicache-wb", "hicache-wb-lpm", "hicache-wt-lpm", "emulated-wb-lpm", "agentcache",
-             "agentcache-lpm", "agentcache-hicache-lpm"}
+             "agentcache-lpm", "agentcache-hicache-lpm", "agentcache-admit-lpm"}
     assert set(result["backends"]) == names
     b = result["backends"]
     assert b["stock"]["host_tokens"] == b["stock-lpm"]["host_tokens"] == 0
@@ -68,7 +68,8 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
     assert set(cmp) == {"agentcache / hicache-wb-lpm", "agentcache / hicache-wt-lpm", "agentcache-lpm / hicache-wb-lpm",
                         "agentcache / hicache-wb", "agentcache / emulated-wb-lpm", "agentcache / stock",
                         "agentcache / stock-lpm", "emulated-wb-lpm / hicache-wb-lpm",
-                        "agentcache-hicache-lpm / hicache-wb-lpm", "agentcache-hicache-lpm / agentcache-lpm"}
+                        "agentcache-hicache-lpm / hicache-wb-lpm", "agentcache-hicache-lpm / agentcache-lpm",
+                        "agentcache-admit-lpm / hicache-wb-lpm", "agentcache-admit-lpm / agentcache-lpm"}
     for other in cmp.values():
         assert other["extra_failures"] == 0
         for measure in ("computed", "jct", "resume_ttft_p50", "resume_ttft_p99"):
@@ -105,8 +106,11 @@ def test_quick_run_serves_everything_on_both_backends(tmp_path):
 
     on_hicache = result["backends"]["agentcache-hicache-lpm"]["agentcache"]["stats"]
     assert on_hicache["hicache"]["attached"] is True and on_hicache["spill"]["enabled"] is False
+    admit = result["backends"]["agentcache-admit-lpm"]["agentcache"]["stats"]["admission"]
+    assert admit["strategy"] == "agent" and admit["passes"] > 0, admit
+    assert result["backends"]["agentcache-lpm"]["agentcache"]["stats"]["admission"] == {"strategy": "off"}
     for ours in (result["backends"]["agentcache"], result["backends"]["agentcache-lpm"],
-                 result["backends"]["agentcache-hicache-lpm"]):
+                 result["backends"]["agentcache-hicache-lpm"], result["backends"]["agentcache-admit-lpm"]):
         assert ours["control_errors"] == 0, ours["control_error_samples"]
         for p in ours["passes"]:  # every pause of every pass decided, and the tree clean after each pass
             # (besides the idle sweep's and re-pricings, which the server's clock and pace decide)

@@ -54,7 +54,7 @@ def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs
     req = original(scheduler, recv_req, *args, **kwargs)
     if getattr(req, "kv_hints", None) is None and getattr(recv_req, "kv_hints", None) is not None:
         req.kv_hints = recv_req.kv_hints
-    from sgl_agentcache.server.cache import AgentRadixCache
+    from sgl_agentcache.server.cache import AgentRadixCache, namespace_of
 
     cache = scheduler.tree_cache
     if isinstance(cache, AgentRadixCache) and cache.scheduler is None:
@@ -65,15 +65,23 @@ def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs
             req.agentcache_refused = True
             req.skip_radix_cache_insert = True  # the placeholder token an abort leaves is not cached
             req.set_finish_with_abort(refusal)
+    if isinstance(cache, AgentRadixCache) and cache.admission is not None:
+        cache.admission.received(req, namespace_of(req))
     return req
 
 
 def _around_calc_priority(original, policy, *args, **kwargs):
-    ranking = getattr(getattr(policy, "tree_cache", None), "ranking_matches", None)
+    cache = getattr(policy, "tree_cache", None)
+    ranking = getattr(cache, "ranking_matches", None)
     if ranking is None:  # another backend
         return original(policy, *args, **kwargs)
     with ranking():
-        return original(policy, *args, **kwargs)
+        result = original(policy, *args, **kwargs)
+    admission = cache.admission
+    if admission is not None:  # program-aware order over SGLang's (server/program_admission.py)
+        queue = args[0] if args else kwargs["waiting_queue"]
+        admission.order(queue, cache, matched=policy.waiting_queue_prefix_matched(queue))
+    return result
 
 
 def _computes_my_stable_prefix(adder, req) -> bool:
@@ -154,7 +162,11 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
         req.agentcache_prefill_waits = getattr(req, "agentcache_prefill_waits", 0) + 1
         cache.shared_prefill_waits += 1
         return AddReqResult.CONTINUE
-    return original(adder, req, *args, **kwargs)
+    result = original(adder, req, *args, **kwargs)
+    admission = getattr(cache, "admission", None)
+    if admission is not None and adder.can_run_list and adder.can_run_list[-1] is req:
+        admission.admitted(req)
+    return result
 
 
 def _after_on_idle(result, scheduler, *args, **kwargs):

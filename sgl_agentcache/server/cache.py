@@ -54,6 +54,7 @@ from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
 from sgl_agentcache.server.pauses import PauseBook, default_settings, host_capacity_tokens
+from sgl_agentcache.server.program_admission import ProgramAdmission, settings_from_env
 from sgl_agentcache.server.spill import HOST_SPILL_ENV, SpillTier
 from sgl_agentcache.server.tree_core import AgentTreeCore
 
@@ -123,6 +124,9 @@ class AgentRadixCache(UnifiedRadixCache):
         self.adopted_tokens = 0  # siblings' scratch a request reused, made the session's history
         self.inferred_orphans = 0  # inferred forks run without their parent (it was unknown or closed)
         self.shared_prefill_waits = 0  # steps requests waited for another's prefill of their stable prefix
+        # Program-aware admission order (server/program_admission.py), when the operator turns it on.
+        admission = settings_from_env()
+        self.admission = ProgramAdmission(admission) if admission is not None else None
         # Each branch's last finished context, so a fork whose hint gives no fork point still charges
         # the parent's history it recomputes to the parent (fork_points.py).
         self.contexts = BranchContexts()
@@ -937,6 +941,8 @@ class AgentRadixCache(UnifiedRadixCache):
             req.agentcache_restores = None
             self.pauses.end_resume(restores[1], abandoned=True)
         plan: InsertPlan | None = getattr(req, "agentcache_plan", None)
+        if self.admission is not None:
+            self.admission.released(req, answered=req.finished() and not isinstance(req.finished_reason, FINISH_ABORT))
         if plan is not None and plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
             # An aborted subagent (fork) is cancelled for good; an aborted turn of a root branch (a
             # client timeout on the lead agent) must not drop the whole session's history.
@@ -1036,6 +1042,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "hicache": self.hicache_stats(),
             "ranking_deferred_restores": self.ranking_deferred,
             "host_loads_refused": self.host_loads_refused,
+            "admission": self.admission.stats() if self.admission is not None else {"strategy": "off"},
         }
 
     def hicache_stats(self) -> dict:

@@ -137,7 +137,12 @@ PINS: tuple[Pin, ...] = (
         "hints are attached and checked as each request is created"),
     Pin("sglang.srt.managers.schedule_policy:SchedulePolicy.calc_priority",
         ("self", "waiting_queue", "running_batch", "processed_tokens"),
-        "its matches only rank the waiting queue: no restore runs there (the admission match follows)"),
+        "its matches only rank the waiting queue: no restore runs there (the admission match follows); "
+        "program-aware admission reorders the queue it sorted"),
+    Pin("sglang.srt.managers.schedule_policy:SchedulePolicy.waiting_queue_prefix_matched", ("self", "waiting_queue"),
+        "program-aware admission matches returning requests itself only when SGLang's pass did not"),
+    Pin("sglang.srt.mem_cache.common:match_kv_cache", ("req", "tree_cache", "token_ids", "cow_mamba", "max_prefix_len"),
+        "program-aware admission reads a returning request's device match (a ranking match)"),
     Pin("sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req",
         ("self", "req", "has_chunked_req", "truncation_align_size"),
         "a request whose load-back is in flight is skipped for the step (CONTINUE, nothing added)"),

@@ -49,7 +49,9 @@ from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.idle import IDLE_CLASS, IdleBranches
 from sgl_agentcache.policy.join import Subagents
 from sgl_agentcache.policy.latency import LatencyBook
+from sgl_agentcache.policy.admission_order import AdmissionSettings
 from sgl_agentcache.policy.profiles import Profile
+from sgl_agentcache.sim.admission import ReplayAdmission
 from sgl_agentcache.sim.causality import cross_branch_prerequisites
 from sgl_agentcache.sim.inferred import ReplayInference
 from sgl_agentcache.sim.policies import POLICIES, Future, PauseView, ReplayPolicy
@@ -112,6 +114,7 @@ class ReplayResult:
     own_waits_s: list[float] = field(default_factory=list, repr=False)  # every call: start - received
     resume_own_waits_s: list[float] = field(default_factory=list, repr=False)
     admission_refusals: int = 0  # admission attempts refused for room (the call waits and tries again)
+    admission: str | None = None  # the admission order's strategy (None: the replay's own order)
     # (tenant, session) -> (its JCT here: last answer - first call's trace arrival, its trace's own span:
     # last arrival - first, the JCT a system with no wait at all comes closest to).
     sessions: dict = field(default_factory=dict, repr=False)
@@ -268,7 +271,8 @@ class _Run:
     """One replay: the event loop's state (see :func:`replay`)."""
 
     def __init__(self, trace: Trace, policy: ReplayPolicy, pool_tokens: int, host_tokens: int, profile: Profile,
-                 vocab_size: int, max_live: int, future: TraceFuture | None, timeline: bool):
+                 vocab_size: int, max_live: int, future: TraceFuture | None, timeline: bool,
+                 admission: AdmissionSettings | None = None):
         from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
 
         self.trace, self.policy, self.profile, self.max_live = trace, policy, profile, max_live
@@ -315,7 +319,10 @@ class _Run:
         self.after_tool = {nxt.id: by_id[rid] for rid, nxt in self.tokens.next_call.items()
                            if by_id[rid].tool is not None}
         self.result = ReplayResult(policy=policy.name, label=policy.label, trace=trace.header.name,
-                                   pool_tokens=pool_tokens, host_tokens=host_tokens)
+                                   pool_tokens=pool_tokens, host_tokens=host_tokens,
+                                   admission=admission.strategy if admission is not None else None)
+        # The admission order (sim/admission.py); None: the replay's own (a branch's next call first).
+        self.order = ReplayAdmission(admission, self.resident) if admission is not None else None
         self.events: list[tuple] = []
         self.seq = 0
         self.waiting: list[tuple[Request | Event, float]] = []
@@ -372,6 +379,16 @@ class _Run:
     def owned_on_device(self, branch: BranchKey) -> int:
         return self.cache.tree_core.resident_owned_tokens(branch)
 
+    def resident(self, request: Request) -> int:
+        """Prompt tokens of ``request`` on the device now (a stock match: nothing loads back)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        key = RadixKey(array("q", self.tokens.prompt(request)), extra_key=request.tenant)
+        with self.driver.activated():
+            return UnifiedRadixCache.match_prefix(self.cache, MatchPrefixParams(key=key)).device_prefix_len
+
     def restored_so_far(self) -> int:
         return self.cache.pauses.counters["restored_tokens"] + self.cache.spill.counters["loaded_tokens"]
 
@@ -407,6 +424,8 @@ class _Run:
                                                   + self.restored_so_far() - restored_before)
             return False
         except OfflineRefused:
+            if self.order is not None:
+                self.order.started(request, self.branch(request), 0)
             self.result.refused_requests += 1  # a new fork of an already-closed parent: never served
             self.answered(request, now)
             self.waiting.extend(self.release_next(self.key(request), now))
@@ -421,6 +440,8 @@ class _Run:
         r.cached_tokens += req.cached_tokens
         r.restored_tokens += restored
         r.recomputed_tokens += request.input_tokens - req.cached_tokens
+        if self.order is not None:
+            self.order.started(request, self.branch(request), request.input_tokens - req.cached_tokens)
         tenant = self.tenant_tokens.setdefault(request.tenant, [0, 0])
         tenant[0] += req.cached_tokens
         tenant[1] += request.input_tokens
@@ -480,6 +501,8 @@ class _Run:
                     self.reprice(lead, request.tenant, now)
         self.received[trace_key] = self.received.get(trace_key, 0) + 1
         self.received_at[request.id] = now
+        if self.order is not None:
+            self.order.received(request, self.branch(request))
         if self.graph is not None:
             self.update_steps(self.graph.received(request))
         return request
@@ -529,6 +552,8 @@ class _Run:
         times[2] = max(times[2], now)
         self.answered(request, now)
         branch = self.branch(request)
+        if self.order is not None:
+            self.order.answered(request, branch)
         self.last_call[branch] = request
         if request.close:
             self.branch_ended(request.tenant, request.session, request.branch, now)
@@ -786,6 +811,8 @@ class _Run:
             self.blocked_closes = [item for item in self.blocked_closes if item not in ready]
             for event, arrived in ready:
                 self.end_with(event, arrived, now)
+        if self.order is not None and len(self.waiting) > 1:
+            self.order.reorder(self.waiting, self.branch)
         while self.waiting:
             record, arrived = self.waiting[0]
             if isinstance(record, Event):
@@ -899,11 +926,13 @@ def _memoryfulness(program_lengths: list[int]) -> float:
 
 def replay(trace: Trace, policy: str | ReplayPolicy, *, pool_tokens: int, host_tokens: int, profile: Profile,
            vocab_size: int = 512, max_live: int = 64, future: TraceFuture | None = None,
-           timeline: bool = True) -> ReplayResult:
+           timeline: bool = True, admission: str | AdmissionSettings | None = None) -> ReplayResult:
     """Replay ``trace`` under ``policy`` (a name in :data:`POLICIES` or a :class:`ReplayPolicy`) with a
     ``pool_tokens`` device KV pool and ``host_tokens`` of host tier (a reference policy -- stock SGLang
     -- runs without one). ``future`` replaces the trace's future a clairvoyant policy reads (tests);
-    ``timeline``: sample resident tokens by class over time (for plots)."""
+    ``timeline``: sample resident tokens by class over time (for plots). ``admission``: the order in
+    which waiting calls are tried (a strategy of ``policy/admission_order.py``, or its settings; None:
+    the replay's own order, see ``sim/admission.py``)."""
     if isinstance(policy, str):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -911,6 +940,9 @@ def replay(trace: Trace, policy: str | ReplayPolicy, *, pool_tokens: int, host_t
     if host_tokens < 0 or pool_tokens <= 0:
         raise ValueError(f"pool_tokens must be positive and host_tokens non-negative, got {pool_tokens}, {host_tokens}")
     started = time.perf_counter()
-    result = _Run(trace, policy, pool_tokens, host_tokens, profile, vocab_size, max_live, future, timeline).run()
+    if isinstance(admission, str):
+        admission = AdmissionSettings(strategy=admission)
+    result = _Run(trace, policy, pool_tokens, host_tokens, profile, vocab_size, max_live, future, timeline,
+                  admission).run()
     result.wall_s = time.perf_counter() - started
     return result

@@ -104,6 +104,9 @@ def session_rows(result, trace, group: int, host_ratio: float) -> list[dict]:
                      "recomputed_tokens": sum(r.input_tokens - rec.cached_tokens for r, rec in calls),
                      "resume_ttft_p50_s": _quantile(resumed, 0.5), "resume_ttft_p99_s": _quantile(resumed, 0.99),
                      "own_wait_total_s": sum(rec.own_wait_s for _, rec in calls), "jct_s": jct, "span_s": span,
+                     # The session's first call, as a new session's: what admission that favours
+                     # returning turns may cost it.
+                     "first_ttft_s": calls[0][1].ttft_s if calls else 0.0,
                      "integrity_ok": result.integrity_ok, "leaked_tokens": result.leaked_tokens})
     return rows
 
@@ -141,7 +144,7 @@ def _bootstrap(ratios_by_group: dict[int, list[float]], draws: int, seed: int = 
     return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
-def analyse(rows: list[dict], ours: str = OURS) -> list[dict]:
+def analyse(rows: list[dict], ours: str = OURS, metrics: tuple[str, ...] = METRICS) -> list[dict]:
     """Ours against every other system (stock: without a host tier) per host size and metric: the mean
     of the per-session ratios with its t interval over sessions and its group-bootstrap interval, and
     the ratio of the totals over the same sessions."""
@@ -152,7 +155,7 @@ def analyse(rows: list[dict], ours: str = OURS) -> list[dict]:
     for host in hosts:
         for other in sorted({r["policy"] for r in rows} - {ours}):
             other_host = 0.0 if other == "stock" else host
-            for metric in METRICS:
+            for metric in metrics:
                 pairs = []  # (group, mine, theirs) per session both ran
                 for session in sessions:
                     mine, theirs = index.get((ours, host, session)), index.get((other, other_host, session))

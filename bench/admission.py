@@ -1,0 +1,55 @@
+"""Admission benchmark: program-aware admission against SGLang's orders, Continuum and Autellix on the
+38 real Claude Code sessions, with 95% intervals over sessions (the study is
+``sgl_agentcache/sim/admission_study.py``; its docstring names the systems).
+
+Writes ``admission.json``: the configuration, one row per (session, system) and the comparisons of ours
+against every other system (mean of per-session ratios, t interval over sessions and group bootstrap).
+
+    SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/admission.py            # every session (~3 min)
+    SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/admission.py --quick    # two groups of small sessions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from sgl_agentcache.policy.profiles import resolve_profile  # noqa: E402
+from sgl_agentcache.sim.admission_study import REFERENCES, AdmissionStudyConfig, run_study  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two groups of small sessions")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    args = ap.parse_args(argv)
+    config = AdmissionStudyConfig(workers=args.workers)
+    if args.quick:
+        small = ("trace_0019", "trace_0021", "trace_0074", "trace_0094", "trace_0209", "trace_0233")
+        config = replace(config, files=small, group_size=3)
+    profile = resolve_profile(config.profile)
+    report = run_study(config, profile, progress=lambda what: print(f"[admission] {what}", flush=True))
+    report["command"] = "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/admission.py" + " --quick" * args.quick
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("admission_quick.json" if args.quick else "admission.json")
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    bad = [r for r in report["rows"] if not r["integrity_ok"] or r["leaked_tokens"]]
+    for c in report["comparisons"]:
+        if c["other"] in REFERENCES:
+            lo, hi = c["ci95"]
+            print(f"[admission] ours / {c['other']}, {c['metric']}: {c['ratio']:.3f} [{lo:.3f}, {hi:.3f}] "
+                  f"{c['verdict']} ({c['sessions']} sessions)")
+    print(f"[admission] wrote {path} in {report['wall_s']:.0f} s; integrity {'ok' if not bad else bad[:3]}")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

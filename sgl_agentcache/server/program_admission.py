@@ -1,0 +1,142 @@
+"""Program-aware admission on the scheduler: SGLang's waiting queue reordered by program
+(``policy/admission_order.py``), opt in with ``AGENTCACHE_ADMISSION``.
+
+SGLang sorts its waiting queue in ``SchedulePolicy.calc_priority`` (by ``--schedule-policy``), then
+admits requests in that order until one does not fit. The plugin's hook around ``calc_priority``
+(``server/admission.py``) calls :meth:`ProgramAdmission.order` after SGLang's own sort, which then
+sorts by the strategy's keys (a total order: it replaces SGLang's; ``agent-lpm`` keeps ``lpm``'s
+longest-match order within each class). SGLang's cache-aware pass has matched every request by then;
+under ``fcfs`` the requests whose match the strategy reads are matched here. The strategy reads only
+what every TP rank sees the same: receive order, scheduler passes waited, the tree's matches, tokens
+of service counted at admission and answer.
+
+What a request is: its program is its session (``(namespace, session)`` of its lifecycle hint, given
+or inferred); its branch and parent come from its hint; its tenant is its cache namespace
+(``extra_key`` and ``cache_salt``: with tenancy, the salt bound to the caller's API key). A request
+without a hint is a program of its own.
+
+Settings (environment): ``AGENTCACHE_ADMISSION`` = ``off`` (default) or a strategy of
+:data:`~sgl_agentcache.policy.admission_order.STRATEGIES`;
+``AGENTCACHE_ADMISSION_STARVATION_STEPS`` (scheduler passes a request may be passed over, default
+256); ``AGENTCACHE_ADMISSION_TENANT_SLACK`` (default 1.5).
+"""
+
+from __future__ import annotations
+
+import os
+
+from sgl_agentcache.policy.admission_order import STRATEGIES, AdmissionSettings, ProgramLedger, order_keys, reads_match
+
+ADMISSION_ENV = "AGENTCACHE_ADMISSION"
+STARVATION_STEPS_ENV = "AGENTCACHE_ADMISSION_STARVATION_STEPS"
+TENANT_SLACK_ENV = "AGENTCACHE_ADMISSION_TENANT_SLACK"
+
+
+def settings_from_env(environ=os.environ) -> AdmissionSettings | None:
+    """The operator's admission settings, or None when off; ``ValueError`` (the server refuses to
+    start) for a strategy or bound it does not know."""
+    strategy = environ.get(ADMISSION_ENV, "off").strip().lower()
+    if strategy in ("", "off"):
+        return None
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{ADMISSION_ENV}={strategy!r}: expected off or one of {', '.join(STRATEGIES)}")
+    try:
+        return AdmissionSettings(strategy=strategy,
+                                 starvation_steps=int(environ.get(STARVATION_STEPS_ENV, 256)),
+                                 tenant_slack=float(environ.get(TENANT_SLACK_ENV, 1.5)))
+    except ValueError as exc:
+        raise ValueError(f"agentcache admission settings: {exc}") from None
+
+
+def _identity(req, namespace: str) -> tuple:
+    """``(tenant, program, branch, parent)`` of a request from its insert plan (hinted) or alone."""
+    tenant = namespace
+    plan = getattr(req, "agentcache_plan", None)
+    owner = plan.own.owner if plan is not None else None
+    if owner is None:
+        return tenant, None, None, None
+    parent = plan.parent.owner if plan.parent is not None else None
+    return tenant, (owner.namespace, owner.session), owner, parent
+
+
+class ProgramAdmission:
+    """The scheduler side of program-aware admission (one per TP rank; every rank sees the same
+    requests, passes and matches, so every rank orders alike)."""
+
+    def __init__(self, settings: AdmissionSettings):
+        self.settings = settings
+        self.ledger = ProgramLedger()
+        self.counters = {"passes": 0, "reordered_passes": 0, "moved_ahead": 0, "starved_first": 0,
+                         "tenant_held_back": 0}
+
+    def received(self, req, namespace: str) -> None:
+        """A request was created (after its plan): note its program and receive order."""
+        tenant, program, branch, parent = _identity(req, namespace)
+        req.agentcache_program = (tenant, program, branch)
+        req.agentcache_seq = self.ledger.receive(program, branch, parent)
+        req.agentcache_waited = 0
+
+    def order(self, waiting_queue: list, cache, matched: bool) -> None:
+        """Reorder ``waiting_queue`` in place by the strategy's keys. ``matched``: SGLang's pass matched every
+        waiting request already (a cache-aware policy); else the requests whose residency the strategy
+        reads are matched here, only to rank them (``cache.ranking_matches``)."""
+        if len(waiting_queue) < 2:
+            for req in waiting_queue:
+                self._tick(req)
+            return
+        self.counters["passes"] += 1
+        settings, ledger = self.settings, self.ledger
+        items = []
+        for req in waiting_queue:
+            self._tick(req)
+            tenant, program, branch = req.agentcache_program
+            resident = 0
+            if reads_match(settings.strategy, ledger.returning(program)):
+                if not matched:
+                    from sglang.srt.mem_cache.common import match_kv_cache
+
+                    with cache.ranking_matches():
+                        match_kv_cache(req, cache)
+                resident = req.prefix_len
+            items.append(ledger.waiting(req.agentcache_seq, tenant, len(req.origin_input_ids), program=program,
+                                        branch=branch, resident_tokens=resident, waited_steps=req.agentcache_waited))
+        keys = order_keys(items, settings, ledger.tenant_service)
+        ranked = sorted(range(len(waiting_queue)), key=keys.__getitem__)
+        if ranked != list(range(len(ranked))):
+            self.counters["reordered_passes"] += 1
+            self.counters["moved_ahead"] += sum(1 for pos, i in enumerate(ranked) if i > pos)
+            if settings.strategy not in ("fcfs", "lpm", "program-fcfs"):
+                first = keys[ranked[0]]
+                self.counters["starved_first"] += first[0] == 0
+                if settings.strategy in ("agent", "agent-lpm"):
+                    self.counters["tenant_held_back"] += sum(1 for k in keys if k[1] == 1)
+            waiting_queue[:] = [waiting_queue[i] for i in ranked]
+
+    @staticmethod
+    def _tick(req) -> None:
+        if not hasattr(req, "agentcache_seq"):  # created before the backend saw it (cannot happen in 0.5.23)
+            req.agentcache_program, req.agentcache_seq, req.agentcache_waited = ("", None, None), 0, 0
+        req.agentcache_waited += 1
+
+    def admitted(self, req) -> None:
+        """``req`` was added to a prefill batch: charge the prompt tokens it computes."""
+        tenant, program, branch = req.agentcache_program
+        self.ledger.charge(tenant, program, branch, len(req.origin_input_ids) - req.prefix_len)
+        req.agentcache_waited = 0  # a retracted request waits anew
+
+    def released(self, req, answered: bool) -> None:
+        """``req`` left the scheduler: charge its output; an answered call makes its program's later
+        requests returning turns."""
+        ident = getattr(req, "agentcache_program", None)
+        if ident is None:
+            return
+        tenant, program, branch = ident
+        self.ledger.charge(tenant, program, branch, len(req.output_ids))
+        if answered:
+            self.ledger.answer(program)
+
+    def stats(self) -> dict:
+        return {"strategy": self.settings.strategy, "starvation_steps": self.settings.starvation_steps,
+                "tenant_slack": self.settings.tenant_slack, **self.counters,
+                "programs": len(self.ledger.programs),
+                "tenant_recent_service": dict(sorted(self.ledger.tenant_service.items()))}
