@@ -277,6 +277,38 @@ def _server_admission(body: dict) -> list[str]:
              f"over `lpm`'s order){moved}, in a run of its own (`--backends`):", ""] + _server(body))
 
 
+#: The server benchmark over independent traces (``--trace-seeds``): intervals over traces.
+SERVER_SEEDS = "server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-hicache-lpm.json"
+_SERVER_MEASURES = (("computed", "prefill computed"), ("jct", "JCT"), ("resume_ttft_p50", "resume TTFT p50"),
+                    ("resume_ttft_p99", "resume TTFT p99"))
+
+
+def _server_seeds(body: dict) -> list[str]:
+    """Each pair's ratio over independent traces: mean, 95% t interval over traces, and each trace's."""
+    seeds, cfg = body["seeds"], body["config"]
+    calls = [s["requests"] for s in seeds["trace_stats"]]
+    out = [f"Real CPU server over {len(seeds['seeds'])} independent traces (`bench/server_recompute.py "
+           f"--trace-seeds {len(seeds['seeds'])}`; `{cfg['workload']}` generator seeds {seeds['seeds'][0]}-"
+           f"{seeds['seeds'][-1]}, {min(calls)}-{max(calls)} calls each, the same servers, {cfg['pool_tokens']}-token "
+           f"pool and {cfg['host_tokens']} host tokens as above, {cfg['passes']} interleaved passes per trace): "
+           "per trace, the mean of its pass-by-pass ratios; the interval is over traces, the samples.", "",
+           "pair | " + " | ".join(label for _, label in _SERVER_MEASURES),
+           "---|" + "|".join("---" for _ in _SERVER_MEASURES)]
+    for pair, c in seeds["comparison"].items():
+        out.append(f"{pair} | " + " | ".join(
+            f"{_passwise(c[m])} {c[m]['verdict']} (per trace {', '.join(f'{v:.2f}' for v in c[m]['per_trace'])})"
+            for m, _ in _SERVER_MEASURES))
+    return out + [""]
+
+
+def _server_seeds_summary(body: dict) -> list[str]:
+    seeds = body["seeds"]
+    parts = [f"{pair}: " + "; ".join(f"{label} {_passwise(c[m])} ({c[m]['verdict']})" for m, label in _SERVER_MEASURES)
+             for pair, c in seeds["comparison"].items()]
+    return [f"Real CPU server over {len(seeds['seeds'])} independent traces (interval over traces, all under "
+            "`lpm`): " + " | ".join(parts) + ".", ""]
+
+
 _ADMISSION_COLUMNS = _SESSION_COLUMNS + (("first_ttft_s", "first-call TTFT"),)
 
 
@@ -295,6 +327,31 @@ def _admission(body: dict) -> list[str]:
     for other in body["systems"]:
         if (other, "recomputed_tokens") in cells:
             out.append(f"/ {other} | " + " | ".join(_session_cell(cells.get((other, m))) for m, _ in _ADMISSION_COLUMNS))
+    return out + [""] + (_flood(body["flood"]) if "flood" in body else [])
+
+
+_FLOOD_COLUMNS = (("calm_slowdown", "calm tenant's JCT / alone"), ("calm_jct_s", "calm JCT (s)"),
+                  ("flood_jct_s", "flood JCT (s)"), ("calm_first_ttft_p99_s", "calm first-call TTFT p99 (s)"),
+                  ("flood_first_ttft_p99_s", "flood first-call TTFT p99 (s)"))
+
+
+def _flood(flood: dict) -> list[str]:
+    """Two tenants, one flooding: each system's levels, and ours / each other system, over seeds."""
+    cfg = flood["config"]
+    out = [f"Two-tenant flood (replay, generated: a `calm` tenant's {cfg['calm_sessions']} `branch_heavy` sessions "
+           f"and a `flood` tenant's {cfg['flood_sessions']} `short_tools` sessions started at {cfg['flood_rate']:g} "
+           f"per second, on one {cfg['pressure']} pool, host {cfg['host_ratio']:g}x; {len(cfg['seeds'])} seeds, "
+           "mean with a 95% t interval over seeds; the calm tenant's slowdown is against running alone on "
+           "the same pool):", "",
+           "system | " + " | ".join(label for _, label in _FLOOD_COLUMNS),
+           "---|" + "|".join("---:" for _ in _FLOOD_COLUMNS)]
+    fmt = lambda v: f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"  # noqa: E731
+    for name, levels in flood["levels"].items():
+        out.append(f"{name} | " + " | ".join(fmt(levels[m]) for m, _ in _FLOOD_COLUMNS))
+    out += ["", "**ours / other, seed by seed** | " + " | ".join(label for _, label in _FLOOD_COLUMNS),
+            "---|" + "|".join("---:" for _ in _FLOOD_COLUMNS)]
+    for other, c in flood["ours_vs"].items():
+        out.append(f"/ {other} | " + " | ".join(_session_cell(c[m]) for m, _ in _FLOOD_COLUMNS))
     return out + [""]
 
 
@@ -539,7 +596,8 @@ def _render(sections: tuple, tail: tuple = ()) -> str:
 def render_summary() -> str:
     """The README's block: the headline table and the server's ratios."""
     return _render((("replay/results.json", _summary), ("real_sessions.json", _sessions_summary),
-                    ("admission.json", _admission_summary), ("server_recompute.json", _server_summary)),
+                    ("admission.json", _admission_summary), ("server_recompute.json", _server_summary),
+                    (SERVER_SEEDS, _server_seeds_summary)),
                    ("Every table, the host-tier sweep, the server's latencies, the tree's overhead, the soak, "
                     "and where ours loses: [`bench/README.md`](bench/README.md).", ""))
 
@@ -549,7 +607,7 @@ def render() -> str:
     return _render((("replay/results.json", _replay), ("real_sessions.json", _sessions),
                     ("admission.json", _admission),
                     ("server_recompute.json", _server), (ON_HICACHE, _server_on_hicache),
-                    (ADMISSION_SERVER, _server_admission),
+                    (ADMISSION_SERVER, _server_admission), (SERVER_SEEDS, _server_seeds),
                     ("cluster_recompute.json", _cluster),
                     ("replay_vs_server.json", _replay_vs_server), ("tree_overhead.json", _overhead),
                     ("soak.json", _soak)))

@@ -69,9 +69,15 @@ clock the pressure would depend on how fast this shared 2-core machine happens t
 then the time a call waits for a free client, as on a saturated server. Latencies are real but on a
 CPU: they rank the backends on this machine, they are not GPU figures.
 
+Independent traces. Passes of one trace measure run-to-run noise, not how a result generalizes.
+``--trace-seeds N`` plays N traces (the mode's generator seed and the N-1 after it) on the same servers,
+``passes`` passes each, and adds ``seeds``: each pair's ratio per trace (the mean of its passes') and the
+mean over traces with a 95% t interval over traces, the samples.
+
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py [--quick] [--out DIR]
-[--backends a,b,...]`` (default ``bench/results``; about 35 minutes for every backend, ``--quick`` about
-5; a subset writes ``server_recompute-<a+b+...>.json`` beside the full run's file).
+[--backends a,b,...] [--passes P] [--trace-seeds N]`` (default ``bench/results``; about 40 minutes for
+every backend, ``--quick`` about 5; a subset writes ``server_recompute-<a+b+...>.json`` beside the full
+run's file, N traces ``server_recompute-seeds<N>...``).
 """
 
 from __future__ import annotations
@@ -488,19 +494,21 @@ def run_pass(name: str, server: CpuServer, k: int, trace: Trace, plan: list[Step
     wall = rep.run()
     after = _agentcache_stats(server) if backend else None
     summary = summarise(rep, wall, log_counts(server.log_path, offset), after, stats)
-    print(f"[server_recompute] {name} pass {k + 1}/{cfg['passes']}: "
+    print(f"[server_recompute] {name} pass {k + 1}: "
           f"{summary['computed_tokens']:,} prefill tokens computed, JCT {summary['jct_s']:.1f} s", flush=True)
     return summary, rep, after
 
 
-def run_interleaved(names: list[str], model, trace: Trace, plan: list[Step], cfg: dict,
-                    log_dir: Path) -> tuple[dict, dict]:
+def run_interleaved(names: list[str], model, workloads: list[tuple[Trace, list[Step]]], cfg: dict,
+                    log_dir: Path) -> list[tuple[dict, dict]]:
     """Every backend's server up at once (idle ones sleep on their sockets), and the passes interleaved:
     pass ``k`` runs each backend in turn, the order rotated by one each pass, so that the ``k``-th
     passes of two backends ran minutes apart under the same machine conditions and pair by index.
-    Returns, per backend, the median pass's summary (by prefill tokens computed; ``passes`` lists
-    every pass) and that pass's request rows."""
-    runs: dict[str, list] = {n: [] for n in names}
+    ``workloads`` (trace, plan) run one after another on the same servers, ``cfg["passes"]`` passes
+    each (pass numbers, and so session tags, run on across workloads). Returns, per workload and
+    backend, the median pass's summary (by prefill tokens computed; ``passes`` lists every pass of
+    that workload) and that pass's request rows."""
+    runs: list[dict[str, list]] = [{n: [] for n in names} for _ in workloads]
     stats: dict[str, dict | None] = {}
     with ExitStack() as stack:
         servers = {}
@@ -508,16 +516,21 @@ def run_interleaved(names: list[str], model, trace: Trace, plan: list[Step], cfg
             print(f"[server_recompute] starting {name}'s server", flush=True)
             servers[name] = stack.enter_context(start_server(name, model, cfg, log_dir).start())
             stats[name] = _agentcache_stats(servers[name]) if BACKENDS[name].radix_backend else None
-        for k in range(cfg["passes"]):
-            for name in names[k % len(names):] + names[:k % len(names)]:
-                summary, rep, stats[name] = run_pass(name, servers[name], k, trace, plan, cfg, model.vocab_size,
-                                                     stats[name])
-                summary["pass_order"] = (names.index(name) - k) % len(names)
-                runs[name].append((summary, rep))
-    summaries, rows = {}, {}
-    for name in names:
-        summaries[name], rows[name] = _median_pass(name, runs[name], cfg)
-    return summaries, rows
+        for w, (trace, plan) in enumerate(workloads):
+            for j in range(cfg["passes"]):
+                k = w * cfg["passes"] + j
+                for name in names[k % len(names):] + names[:k % len(names)]:
+                    summary, rep, stats[name] = run_pass(name, servers[name], k, trace, plan, cfg, model.vocab_size,
+                                                         stats[name])
+                    summary["pass_order"] = (names.index(name) - k) % len(names)
+                    runs[w][name].append((summary, rep))
+    out = []
+    for per_workload in runs:
+        summaries, rows = {}, {}
+        for name in names:
+            summaries[name], rows[name] = _median_pass(name, per_workload[name], cfg)
+        out.append((summaries, rows))
+    return out
 
 
 def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
@@ -648,6 +661,23 @@ MEASURES = {"computed": lambda p: p["computed_tokens"], "jct": lambda p: p["jct_
             "resume_ttft_p50": lambda p: p["resume_ttft_s"]["p50"], "resume_ttft_p99": lambda p: p["resume_ttft_s"]["p99"]}
 
 
+def over_seeds(seeds: list[int], per_seed: list[dict], stats: list[dict]) -> dict:
+    """Independent traces: each pair's per-trace ratio (the mean of that trace's pass-by-pass ratios)
+    and, per measure, the mean over traces with its 95% t interval (traces are the samples, not passes)."""
+    compared = [compare(backends) for backends in per_seed]
+    pairs = compared[0].keys()
+    return {"seeds": seeds, "trace_stats": stats,
+            "per_seed": [{pair: {m: c[pair][m]["mean"] for m in MEASURES} for pair in pairs} for c in compared],
+            "comparison": {pair: {m: _over_traces([c[pair][m]["mean"] for c in compared]) for m in MEASURES}
+                           for pair in pairs}}
+
+
+def _over_traces(values: list[float]) -> dict:
+    ci = _mean_ci(values)
+    ci["per_trace"] = ci.pop("passes")
+    return ci
+
+
 def compare(backends: dict) -> dict:
     """Each pair of :data:`COMPARISONS` (key ``"ours / theirs"``), pass by pass (same pass index: both
     saw the same trace from a flushed cache, in the same round of interleaved passes): the mean ratio
@@ -675,34 +705,42 @@ def main(argv: list[str] | None = None) -> int:
                     help="how a call that ends in a tool pauses its branch (see the module docstring)")
     ap.add_argument("--backends", help="comma-separated subset of the backends (default: all); the results "
                                        "then go to server_recompute-<subset>.json, the full run's file stays")
+    ap.add_argument("--trace-seeds", type=int, default=1,
+                    help="independent traces (generator seeds from the mode's): with more than one, ratios are "
+                         "reported per trace and with an interval over traces (server_recompute-seeds<N>...json)")
     args = ap.parse_args(argv)
     names = list(BACKENDS) if args.backends is None else [n.strip() for n in args.backends.split(",") if n.strip()]
     unknown = sorted(set(names) - set(BACKENDS))
     if unknown or not names:
         ap.error(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)}")
     stem = "server_recompute" if args.backends is None else "server_recompute-" + "+".join(names)
+    if args.trace_seeds > 1:
+        stem = stem.replace("server_recompute", f"server_recompute-seeds{args.trace_seeds}", 1)
     mode = "quick" if args.quick else "full"
     cfg = MODES[mode] | {"pause_via": args.pause_via} | ({"passes": args.passes} if args.passes is not None else {})
-    if cfg["passes"] < 1:
-        ap.error("--passes must be at least 1")
+    if cfg["passes"] < 1 or args.trace_seeds < 1:
+        ap.error("--passes and --trace-seeds must be at least 1")
+    seeds = [cfg["seed"] + i for i in range(args.trace_seeds)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="server-recompute-") as tmp:
         log_dir = Path(args.log_dir or tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         model = make_tiny_model(Path(tmp) / "model", shape=cfg["model_shape"])
-        trace, dropped = fit_context(generate("branch_heavy", seed=cfg["seed"], **cfg["trace"]),
-                                     cfg["context_length"], cfg["output_cap"])
-        plan = build_plan(trace)
-        backends, rows = run_interleaved(names, model, trace, plan, cfg, log_dir)
+        traces = [fit_context(generate("branch_heavy", seed=seed, **cfg["trace"]), cfg["context_length"],
+                              cfg["output_cap"]) for seed in seeds]
+        plans = [build_plan(trace) for trace, _ in traces]
+        runs = run_interleaved(names, model, [(trace, plan) for (trace, _), plan in zip(traces, plans)], cfg, log_dir)
         if args.log_dir:
             print(f"[server_recompute] server logs in {log_dir}")
+    (trace, dropped), plan, (backends, rows) = traces[0], plans[0], runs[0]
     result = {
         "benchmark": "server_recompute", "mode": mode,
         "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py" + " --quick" * args.quick
                    + " --pause-via route" * (args.pause_via == "route")
                    + (f" --passes {args.passes}" if args.passes is not None else "")
-                   + (f" --backends {','.join(names)}" if args.backends is not None else ""),
+                   + (f" --backends {','.join(names)}" if args.backends is not None else "")
+                   + (f" --trace-seeds {args.trace_seeds}" if args.trace_seeds > 1 else ""),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "sglang": _version("sglang"), "torch": _version("torch")},
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},
@@ -716,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         "comparison": compare(backends),
         "requests": {"columns": list(ROW_COLUMNS), **rows},
     }
+    if len(seeds) > 1:  # the first trace's figures above; every trace's, and intervals over traces, here
+        result["seeds"] = over_seeds(seeds, [b for b, _ in runs], [trace_stats(t, p) for (t, _), p in zip(traces, plans)])
     (out / f"{stem}.json").write_text(dump_json(result))
     plot(result, out / f"{stem}.png")
     print_table(result)

@@ -122,3 +122,9 @@ def test_the_admission_benchmark_runs_every_system_on_equal_memory(tmp_path):
     assert {r["admission"] for r in rows if r["policy"] == "agentcache"} == {"agent"}
     others = {c["other"] for c in report["comparisons"] if c["metric"] == "first_ttft_s"}
     assert others == set(SYSTEMS) - {"agentcache"}
+    flood = report["flood"]  # two tenants, one flooding: every system on every seed, the same pool
+    assert {(r["system"], r["seed"]) for r in flood["rows"]} == {(n, s) for n in SYSTEMS for s in (0, 1)}
+    assert all(r["integrity_ok"] and r["calm_slowdown"] > 0 for r in flood["rows"])
+    for seed in (0, 1):
+        assert len({r["pool_tokens"] for r in flood["rows"] if r["seed"] == seed}) == 1
+    assert set(flood["ours_vs"]) == set(SYSTEMS) - {"agentcache"}

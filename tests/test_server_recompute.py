@@ -128,3 +128,24 @@ def test_a_subset_of_unknown_backends_is_refused():
     bench = _load_bench()
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--backends", "stock,nope"])
+
+
+@pytest.mark.server
+def test_independent_traces_give_an_interval_over_traces(tmp_path):
+    """``--trace-seeds``: several generated traces on the same servers; ratios per trace, and an
+    interval whose samples are the traces (not passes of one trace)."""
+    bench = _load_bench()
+    assert bench.main(["--quick", "--out", str(tmp_path), "--backends", "hicache-wb-lpm,agentcache-lpm",
+                       "--passes", "1", "--trace-seeds", "2"]) == 0
+    result = json.loads((tmp_path / "server_recompute-seeds2-hicache-wb-lpm+agentcache-lpm.json").read_text())
+    seeds = result["seeds"]
+    assert seeds["seeds"] == [2, 3] and len(seeds["trace_stats"]) == 2
+    assert seeds["trace_stats"][0] != seeds["trace_stats"][1]  # two different traces
+    pair = "agentcache-lpm / hicache-wb-lpm"
+    for measure in ("computed", "jct", "resume_ttft_p50", "resume_ttft_p99"):
+        over = seeds["comparison"][pair][measure]
+        assert over["per_trace"] == [s[pair][measure] for s in seeds["per_seed"]]
+        assert over["verdict"] in ("better", "worse", "tie") and len(over["per_trace"]) == 2
+    # Pass numbers run on across traces: each backend played each trace once, on one server.
+    for name in ("hicache-wb-lpm", "agentcache-lpm"):
+        assert len(result["backends"][name]["passes"]) == 1

@@ -627,3 +627,22 @@ def test_a_branch_keeps_its_parent():
                                       output_tokens=1), call(1, "main"), call(2, "other")]
     with pytest.raises(TraceError, match="parent_branch changed"):
         validate(Trace(header=TraceHeader(), records=records))
+
+
+def test_merge_tenants_retags_every_record_and_merges_by_arrival():
+    from sgl_agentcache.trace.transforms import merge_tenants
+
+    calm = generate("branch_heavy", seed=0, sessions=2)
+    flood = generate("short_tools", seed=1, sessions=3)
+    merged = merge_tenants({"calm": calm, "flood": flood})
+    assert len(merged.records) == len(calm.records) + len(flood.records)
+    times = [r.t for r in merged.records]
+    assert times == sorted(times)
+    assert {r.tenant for r in merged.records} == {"calm", "flood"}
+    ids = [r.id for r in merged.requests]
+    assert len(set(ids)) == len(ids) and all(i.split(":", 1)[0] in ("calm", "flood") for i in ids)
+    # Each tenant's own records keep their order and content (but the tenant and the id's prefix).
+    mine = [r for r in merged.records if r.tenant == "calm"]
+    assert [r.t for r in mine] == [r.t for r in calm.records]
+    with pytest.raises(TraceError, match="block sizes"):
+        merge_tenants({"a": calm, "b": generate("short_tools", seed=1, sessions=1, block_tokens=32)})

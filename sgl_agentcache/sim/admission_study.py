@@ -20,6 +20,12 @@ strategy of ``policy/admission_order.py``:
 
 Per session: recomputed tokens, resume TTFT p50/p99, own-wait total, JCT, and the first call's TTFT (a
 new session's wait: the fairness cost of favouring returning turns).
+
+The flood (:func:`run_flood`): two tenants on one pool, generated (seeds are independent samples). A
+``calm`` tenant runs agent sessions with subagents (``branch_heavy``); a ``flood`` tenant starts many
+short tool sessions quickly (``short_tools`` at a high session rate). Per system and seed: each
+tenant's mean session JCT, the calm tenant's slowdown against running alone on the same pool, and each
+tenant's first-call TTFT p99 (new sessions' wait).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from typing import NamedTuple
 from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.replay import replay
 from sgl_agentcache.sim.sessions import DUPLICATES, METRICS, SESSION_FILES, analyse, group_trace, groups, session_rows
-from sgl_agentcache.sim.suite import REPLAY_VOCAB, _environment, pool_for, scaled_profile
+from sgl_agentcache.sim.suite import REPLAY_VOCAB, _environment, mean_ci, pool_for, scaled_profile
+from sgl_agentcache.trace.generators import generate
+from sgl_agentcache.trace.transforms import merge_tenants
 
 
 class System(NamedTuple):
@@ -109,5 +117,93 @@ def run_study(config: AdmissionStudyConfig, profile: Profile, progress=None) -> 
             "wall_s": time.perf_counter() - started, "environment": _environment()}
 
 
-__all__ = ["METRICS_ADMISSION", "OURS", "REFERENCES", "SYSTEMS", "AdmissionStudyConfig", "System", "run_group",
-           "run_study"]
+@dataclass(frozen=True)
+class FloodConfig:
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    calm_sessions: int = 6
+    flood_sessions: int = 48
+    flood_rate: float = 4.0  # flood sessions started per second
+    pressure: str = "tight"
+    host_ratio: float = 0.5
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    profile: str = "seed"
+    workers: int = 2
+
+
+def flood_traces(config: FloodConfig, seed: int):
+    """(both tenants, the calm tenant alone) for one seed."""
+    calm = generate("branch_heavy", seed=seed, sessions=config.calm_sessions)
+    flood = generate("short_tools", seed=seed + 1000, sessions=config.flood_sessions, session_rate=config.flood_rate)
+    return merge_tenants({"calm": calm, "flood": flood}), merge_tenants({"calm": calm})
+
+
+def _tenant_figures(result, trace, tenant: str) -> dict:
+    jcts = [jct for (t, _), (jct, _) in result.sessions.items() if t == tenant]
+    first: dict[str, float] = {}
+    for request in trace.requests:
+        if request.tenant == tenant and request.session not in first and request.id in result.calls:
+            first[request.session] = result.calls[request.id].ttft_s
+    ttfts = sorted(first.values())
+    return {"jct_mean_s": sum(jcts) / max(len(jcts), 1),
+            "first_ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else 0.0}
+
+
+def run_flood_seed(config: FloodConfig, profile: Profile, seed: int) -> list[dict]:
+    both, alone = flood_traces(config, seed)
+    pool = pool_for(both, config.pressure)
+    rows = []
+    for name in config.systems:
+        system = SYSTEMS[name]
+        host = 0 if system.policy == "stock" else int(round(config.host_ratio * pool))
+        kw = dict(pool_tokens=pool, host_tokens=host, profile=profile, vocab_size=REPLAY_VOCAB,
+                  admission=system.admission, timeline=False)
+        shared, solo = replay(both, system.policy, **kw), replay(alone, system.policy, **kw)
+        calm, flood = _tenant_figures(shared, both, "calm"), _tenant_figures(shared, both, "flood")
+        calm_alone = _tenant_figures(solo, alone, "calm")
+        rows.append({"seed": seed, "system": name, "pool_tokens": pool, "host_tokens": host,
+                     "calm_jct_s": calm["jct_mean_s"], "calm_alone_jct_s": calm_alone["jct_mean_s"],
+                     "calm_slowdown": calm["jct_mean_s"] / max(calm_alone["jct_mean_s"], 1e-9),
+                     "flood_jct_s": flood["jct_mean_s"], "calm_first_ttft_p99_s": calm["first_ttft_p99_s"],
+                     "flood_first_ttft_p99_s": flood["first_ttft_p99_s"],
+                     "integrity_ok": shared.integrity_ok and solo.integrity_ok})
+    return rows
+
+
+FLOOD_METRICS = ("calm_slowdown", "calm_jct_s", "flood_jct_s", "calm_first_ttft_p99_s", "flood_first_ttft_p99_s")
+
+
+def analyse_flood(rows: list[dict], ours: str = OURS) -> dict:
+    """Per system, each metric's mean with a t interval over seeds; and ours / every other system,
+    seed by seed, with its interval (a verdict only where it excludes 1)."""
+    by = {(r["system"], r["seed"]): r for r in rows}
+    systems, seeds = sorted({r["system"] for r in rows}), sorted({r["seed"] for r in rows})
+    levels = {name: {m: list(mean_ci([by[(name, s)][m] for s in seeds])) for m in FLOOD_METRICS} for name in systems}
+    ratios = {}
+    for other in systems:
+        if other == ours:
+            continue
+        ratios[other] = {}
+        for m in FLOOD_METRICS:
+            values = [by[(ours, s)][m] / by[(other, s)][m] for s in seeds if by[(other, s)][m] > 0]
+            mean, lo, hi = mean_ci(values)
+            verdict = "better" if hi < 1.0 else "worse" if lo > 1.0 else "tie"
+            ratios[other][m] = {"ratio": mean, "ci95": [lo, hi], "verdict": verdict, "seeds": len(values)}
+    return {"levels": levels, "ours_vs": ratios}
+
+
+def run_flood(config: FloodConfig, profile: Profile, progress=None) -> dict:
+    rows: list[dict] = []
+    if config.workers <= 1:
+        for seed in config.seeds:
+            rows += run_flood_seed(config, profile, seed)
+    else:
+        with ProcessPoolExecutor(max_workers=config.workers) as pool:
+            for seed, future in [(s, pool.submit(run_flood_seed, config, profile, s)) for s in config.seeds]:
+                rows += future.result()
+                if progress is not None:
+                    progress(f"flood seed {seed}")
+    return {"config": asdict(config), "rows": rows, **analyse_flood(rows)}
+
+
+__all__ = ["FLOOD_METRICS", "METRICS_ADMISSION", "OURS", "REFERENCES", "SYSTEMS", "AdmissionStudyConfig", "FloodConfig",
+           "System", "analyse_flood", "flood_traces", "run_flood", "run_flood_seed", "run_group", "run_study"]

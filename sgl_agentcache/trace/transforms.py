@@ -9,7 +9,7 @@ import msgspec
 
 from sgl_agentcache.trace.schema import Request, Trace, TraceError, TraceHeader, validate
 
-__all__ = ["offset_sessions", "scale_tokens"]
+__all__ = ["merge_tenants", "offset_sessions", "scale_tokens"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -79,3 +79,27 @@ def offset_sessions(trace: Trace, seed: int, spread_s: float) -> Trace:
     header = TraceHeader(version=trace.header.version, name=trace.header.name,
                          block_tokens=trace.header.block_tokens, source=source)
     return validate(Trace(header=header, records=records))
+
+
+def merge_tenants(traces: dict[str, Trace]) -> Trace:
+    """One trace from several, each the traffic of one tenant (its key): every record takes that tenant,
+    request ids are prefixed by it (``tenant:id``), and records are merged by arrival (ties keep the
+    order of ``traces``, then each trace's own). Block ids stay: a block's tokens are shared only within a
+    tenant, whose namespace differs. All traces must have the same block size."""
+    if not traces:
+        raise TraceError("merge_tenants: no traces")
+    sizes = {trace.header.block_tokens for trace in traces.values()}
+    if len(sizes) != 1:
+        raise TraceError(f"merge_tenants: traces have different block sizes {sorted(sizes)}")
+    merged = []
+    for order, (tenant, trace) in enumerate(traces.items()):
+        for i, record in enumerate(trace.records):
+            record = msgspec.structs.replace(record, tenant=tenant)
+            if isinstance(record, Request):
+                record = msgspec.structs.replace(record, id=f"{tenant}:{record.id}")
+            merged.append((record.t, order, i, record))
+    merged.sort(key=lambda item: item[:3])
+    source = json.dumps({"merge_tenants": {t: tr.header.source for t, tr in traces.items()}}, sort_keys=True)
+    header = TraceHeader(name="+".join(f"{t}:{tr.header.name}" for t, tr in traces.items()),
+                         block_tokens=sizes.pop(), source=source)
+    return validate(Trace(header=header, records=[record for *_, record in merged]))
