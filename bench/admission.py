@@ -23,7 +23,8 @@ from pathlib import Path
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sgl_agentcache.policy.profiles import resolve_profile  # noqa: E402
-from sgl_agentcache.sim.admission_study import REFERENCES, AdmissionStudyConfig, FloodConfig, run_flood, run_study  # noqa: E402,E501
+from sgl_agentcache.sim.admission_study import (  # noqa: E402
+    REFERENCES, AdmissionStudyConfig, FloodConfig, run_flood, run_study)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -303,7 +303,8 @@ def _server_seeds(body: dict) -> list[str]:
 
 def _server_seeds_summary(body: dict) -> list[str]:
     seeds = body["seeds"]
-    parts = [f"{pair}: " + "; ".join(f"{label} {_passwise(c[m])} ({c[m]['verdict']})" for m, label in _SERVER_MEASURES)
+    parts = [f"{pair}: " + "; ".join(f"{label} {_passwise(c[m])} ({c[m]['verdict']})"
+                                     for m, label in _SERVER_MEASURES)
              for pair, c in seeds["comparison"].items()]
     return [f"Real CPU server over {len(seeds['seeds'])} independent traces (interval over traces, all under "
             "`lpm`): " + " | ".join(parts) + ".", ""]
@@ -326,7 +327,8 @@ def _admission(body: dict) -> list[str]:
            "**ours / other, per session** | " + " | ".join(columns), "---|" + "|".join("---:" for _ in columns)]
     for other in body["systems"]:
         if (other, "recomputed_tokens") in cells:
-            out.append(f"/ {other} | " + " | ".join(_session_cell(cells.get((other, m))) for m, _ in _ADMISSION_COLUMNS))
+            out.append(f"/ {other} | " + " | ".join(_session_cell(cells.get((other, m)))
+                                                     for m, _ in _ADMISSION_COLUMNS))
     return out + [""] + (_flood(body["flood"]) if "flood" in body else [])
 
 

@@ -730,7 +730,8 @@ def main(argv: list[str] | None = None) -> int:
         traces = [fit_context(generate("branch_heavy", seed=seed, **cfg["trace"]), cfg["context_length"],
                               cfg["output_cap"]) for seed in seeds]
         plans = [build_plan(trace) for trace, _ in traces]
-        runs = run_interleaved(names, model, [(trace, plan) for (trace, _), plan in zip(traces, plans)], cfg, log_dir)
+        workloads = [(trace, plan) for (trace, _), plan in zip(traces, plans)]
+        runs = run_interleaved(names, model, workloads, cfg, log_dir)
         if args.log_dir:
             print(f"[server_recompute] server logs in {log_dir}")
     (trace, dropped), plan, (backends, rows) = traces[0], plans[0], runs[0]
@@ -755,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         "requests": {"columns": list(ROW_COLUMNS), **rows},
     }
     if len(seeds) > 1:  # the first trace's figures above; every trace's, and intervals over traces, here
-        result["seeds"] = over_seeds(seeds, [b for b, _ in runs], [trace_stats(t, p) for (t, _), p in zip(traces, plans)])
+        stats = [trace_stats(t, p) for (t, _), p in zip(traces, plans)]
+        result["seeds"] = over_seeds(seeds, [b for b, _ in runs], stats)
     (out / f"{stem}.json").write_text(dump_json(result))
     plot(result, out / f"{stem}.png")
     print_table(result)

@@ -30,6 +30,10 @@ from sgl_agentcache.policy.admission_order import STRATEGIES, AdmissionSettings,
 ADMISSION_ENV = "AGENTCACHE_ADMISSION"
 STARVATION_STEPS_ENV = "AGENTCACHE_ADMISSION_STARVATION_STEPS"
 TENANT_SLACK_ENV = "AGENTCACHE_ADMISSION_TENANT_SLACK"
+#: Requests a pass matches itself to read their residency, at most (SGLang's cache-aware policies stop
+#: matching past 128 waiting requests for the same reason: each match walks the prompt); the rest
+#: count as not resident.
+MATCH_LIMIT = 128
 
 
 def settings_from_env(environ=os.environ) -> AdmissionSettings | None:
@@ -77,27 +81,31 @@ class ProgramAdmission:
         req.agentcache_waited = 0
 
     def order(self, waiting_queue: list, cache, matched: bool) -> None:
-        """Reorder ``waiting_queue`` in place by the strategy's keys. ``matched``: SGLang's pass matched every
-        waiting request already (a cache-aware policy); else the requests whose residency the strategy
-        reads are matched here, only to rank them (``cache.ranking_matches``)."""
+        """Reorder ``waiting_queue`` in place by the strategy's keys. ``matched``: SGLang's pass matched
+        every waiting request already (a cache-aware policy); else the requests whose residency the
+        strategy reads are matched here (at most :data:`MATCH_LIMIT`), only to rank them
+        (``cache.ranking_matches``)."""
         if len(waiting_queue) < 2:
             for req in waiting_queue:
                 self._tick(req)
             return
         self.counters["passes"] += 1
         settings, ledger = self.settings, self.ledger
-        items = []
+        items, budget = [], MATCH_LIMIT
         for req in waiting_queue:
             self._tick(req)
             tenant, program, branch = req.agentcache_program
             resident = 0
             if reads_match(settings.strategy, ledger.returning(program)):
-                if not matched:
+                if matched:
+                    resident = req.prefix_len
+                elif budget > 0:
                     from sglang.srt.mem_cache.common import match_kv_cache
 
+                    budget -= 1
                     with cache.ranking_matches():
                         match_kv_cache(req, cache)
-                resident = req.prefix_len
+                    resident = req.prefix_len
             items.append(ledger.waiting(req.agentcache_seq, tenant, len(req.origin_input_ids), program=program,
                                         branch=branch, resident_tokens=resident, waited_steps=req.agentcache_waited))
         keys = order_keys(items, settings, ledger.tenant_service)
