@@ -161,3 +161,47 @@ def test_agent_lpm_orders_each_class_by_device_match():
                for w in waiting]
     assert _order(matched, "agent-lpm") == [6, 7, 5, 3, 4]
     assert _order(matched, "agent") == [6, 7, 3, 4, 5]
+
+
+def _driver(strategy: str | None):
+    from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+    from sgl_agentcache.server.program_admission import ProgramAdmission
+
+    cache = build_offline_cache(pool_tokens=4096)
+    cache.admission = ProgramAdmission(AdmissionSettings(strategy=strategy)) if strategy else None
+    return OfflineDriver(cache)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+@pytest.mark.parametrize("strategy", [None, "agent"])
+def test_the_scheduler_hook_puts_a_resident_returning_turn_first(strategy):
+    """Through the plugin's real hook on SGLang's ``SchedulePolicy.calc_priority`` (offline, SGLang's
+    CPU pools; no timing): a lead answered a call, four new sessions arrive, then the lead's next turn.
+    SGLang's FCFS keeps the turn last; ``agent`` puts it first (its KV is resident), and charges it."""
+    from sgl_agentcache.hints import lifecycle_envelope
+
+    driver = _driver(strategy)
+    hint = lambda session: lifecycle_envelope({"session": session}, message_id=f"m-{session}")  # noqa: E731
+    first = _tokens(1, 300)
+    lead = driver.admit("lead-1", first, hint("lead"))
+    driver.extend(lead, _tokens(2, 8))
+    driver.finish(lead)
+    burst = [driver.queue(f"new{i}", _tokens(10 + i, 200), hint(f"new{i}")) for i in range(4)]
+    turn = driver.queue("lead-2", first + _tokens(2, 8) + _tokens(3, 20), hint("lead"))
+    ranked = [req.rid for req in driver.rank(burst + [turn], policy="fcfs")]
+    if strategy is None:
+        assert ranked == ["new0", "new1", "new2", "new3", "lead-2"]
+        return
+    assert ranked == ["lead-2", "new0", "new1", "new2", "new3"]
+    stats = driver.cache.admission.stats()
+    assert stats["reordered_passes"] == 1 and stats["moved_ahead"] == 1  # one request jumped the queue
+    ledger = driver.cache.admission.ledger
+    assert ledger.returning(turn.agentcache_program[1]) and not ledger.returning(burst[0].agentcache_program[1])
+    # Its answer charged the lead's output (8 tokens) to its program and tenant.
+    assert ledger.programs[turn.agentcache_program[1]].attained == 8

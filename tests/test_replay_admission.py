@@ -60,7 +60,7 @@ def _branch(request: Request) -> BranchKey:
     return BranchKey(namespace_key(request.tenant, None), request.session, request.branch)
 
 
-def test_reorder_moves_calls_and_keeps_events_in_place():
+def test_reorder_sorts_the_calls_ahead_of_the_first_event():
     order = ReplayAdmission(AdmissionSettings(strategy="agent"), resident=lambda request: 90)
     old = _request(0, "old")
     order.received(old, _branch(old))
@@ -70,11 +70,14 @@ def test_reorder_moves_calls_and_keeps_events_in_place():
     turn = _request(4, "old")
     for request in burst + [turn]:
         order.received(request, _branch(request))
-    close = Event(t=0.0, kind="close_branch", tenant="t", session="x", branch="main")
-    waiting = [(burst[0], 0.0), (close, 0.0), (burst[1], 0.0), (burst[2], 0.0), (turn, 0.0)]
+    abort = Event(t=0.0, kind="abort", tenant="t", session="new3", branch="main")
+    late = _request(5, "old")
+    order.received(late, _branch(late))
+    waiting = [(burst[0], 0.0), (burst[1], 0.0), (turn, 0.0), (abort, 0.0), (burst[2], 0.0), (late, 0.0)]
     order.reorder(waiting, _branch)
-    assert [r.id if isinstance(r, Request) else "close" for r, _ in waiting] == ["r4", "close", "r1", "r2", "r3"]
-    assert order.waited == {"r1": 1, "r2": 1, "r3": 1, "r4": 1}
+    # The returning turn goes first; the abort is a barrier: nothing behind it moves ahead of it.
+    assert [r.id if isinstance(r, Request) else "abort" for r, _ in waiting] == ["r4", "r1", "r2", "abort", "r3", "r5"]
+    assert order.waited == {"r1": 1, "r2": 1, "r3": 0, "r4": 1, "r5": 0}
 
 
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "fcfs"])

@@ -80,7 +80,8 @@ def _around_calc_priority(original, policy, *args, **kwargs):
     admission = cache.admission
     if admission is not None:  # program-aware order over SGLang's (server/program_admission.py)
         queue = args[0] if args else kwargs["waiting_queue"]
-        admission.order(queue, cache, matched=policy.waiting_queue_prefix_matched(queue))
+        admission.order(queue, cache, matched=policy.waiting_queue_prefix_matched(queue),
+                        priority_sign=policy.priority_sign if policy.enable_priority_scheduling else None)
     return result
 
 

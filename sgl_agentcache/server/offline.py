@@ -79,7 +79,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
-from sgl_agentcache.server.cache import AgentRadixCache, register_backends
+from sgl_agentcache.server.cache import AgentRadixCache, namespace_of, register_backends
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 
 if TYPE_CHECKING:
@@ -397,6 +397,8 @@ class OfflineDriver:
                 refusal = cache.admit(req)
                 if refusal is not None:
                     raise OfflineRefused(f"request {rid!r} refused: {refusal}")
+            if getattr(cache, "admission", None) is not None:  # program-aware admission notes it
+                cache.admission.received(req, namespace_of(req))
             if session_id is not None and cache.enable_session_radix_cache:
                 req.session_generation = cache.ensure_session_generation(session_id)
             return req

@@ -139,6 +139,10 @@ PINS: tuple[Pin, ...] = (
         ("self", "waiting_queue", "running_batch", "processed_tokens"),
         "its matches only rank the waiting queue: no restore runs there (the admission match follows); "
         "program-aware admission reorders the queue it sorted"),
+    Pin("sglang.srt.managers.schedule_policy:SchedulePolicy.__init__",
+        ("self", "policy", "tree_cache", "enable_hierarchical_cache", "enable_priority_scheduling",
+         "schedule_low_priority_values_first"),
+        "program-aware admission keeps SGLang's priority (enable_priority_scheduling, priority_sign) as its first key"),
     Pin("sglang.srt.managers.schedule_policy:SchedulePolicy.waiting_queue_prefix_matched", ("self", "waiting_queue"),
         "program-aware admission matches returning requests itself only when SGLang's pass did not"),
     Pin("sglang.srt.mem_cache.common:match_kv_cache", ("req", "tree_cache", "token_ids", "cow_mamba", "max_prefix_len"),

@@ -78,13 +78,15 @@ class ProgramAdmission:
         tenant, program, branch, parent = _identity(req, namespace)
         req.agentcache_program = (tenant, program, branch)
         req.agentcache_seq = self.ledger.receive(program, branch, parent)
-        req.agentcache_waited = 0
+        req.agentcache_passes = 0
 
-    def order(self, waiting_queue: list, cache, matched: bool) -> None:
+    def order(self, waiting_queue: list, cache, matched: bool, priority_sign: int | None = None) -> None:
         """Reorder ``waiting_queue`` in place by the strategy's keys. ``matched``: SGLang's pass matched
         every waiting request already (a cache-aware policy); else the requests whose residency the
         strategy reads are matched here (at most :data:`MATCH_LIMIT`), only to rank them
-        (``cache.ranking_matches``)."""
+        (``cache.ranking_matches``). ``priority_sign``: with SGLang's priority scheduling on, its
+        request priority (times this sign, as SGLang sorts) stays the first key: priority preemption
+        acts on it, and our order refines it rather than overriding it."""
         if len(waiting_queue) < 2:
             for req in waiting_queue:
                 self._tick(req)
@@ -107,39 +109,45 @@ class ProgramAdmission:
                         match_kv_cache(req, cache)
                     resident = req.prefix_len
             items.append(ledger.waiting(req.agentcache_seq, tenant, len(req.origin_input_ids), program=program,
-                                        branch=branch, resident_tokens=resident, waited_steps=req.agentcache_waited))
+                                        branch=branch, resident_tokens=resident, waited_steps=req.agentcache_passes))
         keys = order_keys(items, settings, ledger.tenant_service)
+        if priority_sign is not None:
+            keys = [((req.priority or 0) * priority_sign,) + key for req, key in zip(waiting_queue, keys)]
         ranked = sorted(range(len(waiting_queue)), key=keys.__getitem__)
         if ranked != list(range(len(ranked))):
             self.counters["reordered_passes"] += 1
             self.counters["moved_ahead"] += sum(1 for pos, i in enumerate(ranked) if i > pos)
             if settings.strategy not in ("fcfs", "lpm", "program-fcfs"):
+                skip = 0 if priority_sign is None else 1  # the priority key goes first
                 first = keys[ranked[0]]
-                self.counters["starved_first"] += first[0] == 0
+                self.counters["starved_first"] += first[skip] == 0
                 if settings.strategy in ("agent", "agent-lpm"):
-                    self.counters["tenant_held_back"] += sum(1 for k in keys if k[1] == 1)
+                    self.counters["tenant_held_back"] += sum(1 for k in keys if k[skip + 1] == 1)
             waiting_queue[:] = [waiting_queue[i] for i in ranked]
 
     @staticmethod
     def _tick(req) -> None:
         if not hasattr(req, "agentcache_seq"):  # created before the backend saw it (cannot happen in 0.5.23)
-            req.agentcache_program, req.agentcache_seq, req.agentcache_waited = ("", None, None), 0, 0
-        req.agentcache_waited += 1
+            req.agentcache_program, req.agentcache_seq, req.agentcache_passes = ("", None, None), 0, 0
+        req.agentcache_passes += 1
 
     def admitted(self, req) -> None:
         """``req`` was added to a prefill batch: charge the prompt tokens it computes."""
         tenant, program, branch = req.agentcache_program
         self.ledger.charge(tenant, program, branch, len(req.origin_input_ids) - req.prefix_len)
-        req.agentcache_waited = 0  # a retracted request waits anew
+        req.agentcache_passes = 0  # a retracted request waits anew
 
     def released(self, req, answered: bool) -> None:
-        """``req`` left the scheduler: charge its output; an answered call makes its program's later
-        requests returning turns."""
+        """``req`` left the scheduler (finished, aborted, or retracted to wait again): charge the output
+        not charged yet (a retracted request keeps its output); an answered call makes its program's
+        later requests returning turns."""
         ident = getattr(req, "agentcache_program", None)
         if ident is None:
             return
         tenant, program, branch = ident
-        self.ledger.charge(tenant, program, branch, len(req.output_ids))
+        charged = getattr(req, "agentcache_output_charged", 0)
+        req.agentcache_output_charged = len(req.output_ids)
+        self.ledger.charge(tenant, program, branch, len(req.output_ids) - charged)
         if answered:
             self.ledger.answer(program)
 

@@ -3,8 +3,8 @@
 
 Without a strategy the replay keeps its own order (a branch's next call, released when its previous one
 is answered, goes to the head of the queue; other calls join the tail). With one, every time the replay
-tries to admit (``_Run.drain``), the waiting calls are sorted by the strategy's keys; closes and aborts
-keep their places in the queue. As on the server, admission stops at the first call that does not fit.
+tries to admit (``_Run.drain``), the waiting calls ahead of the first queued close or abort are sorted
+by the strategy's keys (an event is a barrier: no call overtakes an abort of its own branch). As on the server, admission stops at the first call that does not fit.
 
 What each call is, as the server would know it when it receives the call: its program is its session,
 its branch and parent come from its hint, its tenant is its trace tenant; its receive order, the
@@ -56,8 +56,15 @@ class ReplayAdmission:
 
     def reorder(self, waiting: list, branch_of: Callable[[Request], BranchKey]) -> None:
         """Sort the calls in ``waiting`` (``(record, arrived)`` pairs) in place by the strategy's keys;
-        other records keep their slots. Each call present counts one more pass waited."""
-        slots = [i for i, (record, _) in enumerate(waiting) if isinstance(record, Request) and record.id in self.seq]
+        a close or an abort is a barrier (the calls before the first one are sorted among themselves; no
+        call moves past it, so none overtakes an abort of its own branch). Each call sorted counts one
+        more pass waited."""
+        slots = []
+        for i, (record, _) in enumerate(waiting):
+            if not isinstance(record, Request):
+                break
+            if record.id in self.seq:
+                slots.append(i)
         if not slots:
             return
         ledger, items = self.ledger, []

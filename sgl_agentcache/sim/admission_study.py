@@ -185,6 +185,8 @@ def analyse_flood(rows: list[dict], ours: str = OURS) -> dict:
         ratios[other] = {}
         for m in FLOOD_METRICS:
             values = [by[(ours, s)][m] / by[(other, s)][m] for s in seeds if by[(other, s)][m] > 0]
+            if not values:
+                continue
             mean, lo, hi = mean_ci(values)
             verdict = "better" if hi < 1.0 else "worse" if lo > 1.0 else "tie"
             ratios[other][m] = {"ratio": mean, "ci95": [lo, hi], "verdict": verdict, "seeds": len(values)}
