@@ -4,7 +4,8 @@
 Without a strategy the replay keeps its own order (a branch's next call, released when its previous one
 is answered, goes to the head of the queue; other calls join the tail). With one, every time the replay
 tries to admit (``_Run.drain``), the waiting calls ahead of the first queued close or abort are sorted
-by the strategy's keys (an event is a barrier: no call overtakes an abort of its own branch). As on the server, admission stops at the first call that does not fit.
+by the strategy's keys (an event is a barrier: no call overtakes an abort of its own branch). As on the
+server, admission stops at the first call that does not fit.
 
 What each call is, as the server would know it when it receives the call: its program is its session,
 its branch and parent come from its hint, its tenant is its trace tenant; its receive order, the
