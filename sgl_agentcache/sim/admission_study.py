@@ -31,13 +31,13 @@ tenant's first-call TTFT p99 (new sessions' wait).
 from __future__ import annotations
 
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.replay import replay
-from sgl_agentcache.sim.sessions import DUPLICATES, METRICS, SESSION_FILES, analyse, group_trace, groups, session_rows
+from sgl_agentcache.sim.sessions import (DUPLICATES, METRICS, SESSION_FILES, analyse, collect_rows, group_trace,
+                                         groups, session_rows)
 from sgl_agentcache.sim.suite import REPLAY_VOCAB, _environment, mean_ci, pool_for, scaled_profile
 from sgl_agentcache.trace.generators import generate
 from sgl_agentcache.trace.transforms import merge_tenants
@@ -98,19 +98,8 @@ def run_study(config: AdmissionStudyConfig, profile: Profile, progress=None) -> 
     ours against every other system."""
     started = time.perf_counter()
     dealt = groups(config.files, config.group_size)
-    rows: list[dict] = []
-    if config.workers <= 1:  # in this process (a forked worker of a process running threads can hang)
-        for i, files in enumerate(dealt):
-            rows += run_group(config, profile, i, files)
-            if progress is not None:
-                progress(f"group {i}: {', '.join(files)}")
-    else:
-        with ProcessPoolExecutor(max_workers=config.workers) as pool:
-            futures = [(i, pool.submit(run_group, config, profile, i, files)) for i, files in enumerate(dealt)]
-            for i, future in futures:
-                rows += future.result()
-                if progress is not None:
-                    progress(f"group {i}: {', '.join(dealt[i])}")
+    rows = collect_rows(run_group, [(config, profile, i, files) for i, files in enumerate(dealt)],
+                        [f"group {i}: {', '.join(files)}" for i, files in enumerate(dealt)], config.workers, progress)
     return {"config": asdict(config), "systems": {n: SYSTEMS[n]._asdict() for n in config.systems},
             "profile": profile.to_dict(), "groups": [list(g) for g in dealt], "duplicates": DUPLICATES,
             "rows": rows, "comparisons": analyse(rows, OURS, METRICS_ADMISSION),
@@ -194,16 +183,8 @@ def analyse_flood(rows: list[dict], ours: str = OURS) -> dict:
 
 
 def run_flood(config: FloodConfig, profile: Profile, progress=None) -> dict:
-    rows: list[dict] = []
-    if config.workers <= 1:
-        for seed in config.seeds:
-            rows += run_flood_seed(config, profile, seed)
-    else:
-        with ProcessPoolExecutor(max_workers=config.workers) as pool:
-            for seed, future in [(s, pool.submit(run_flood_seed, config, profile, s)) for s in config.seeds]:
-                rows += future.result()
-                if progress is not None:
-                    progress(f"flood seed {seed}")
+    rows = collect_rows(run_flood_seed, [(config, profile, seed) for seed in config.seeds],
+                        [f"flood seed {seed}" for seed in config.seeds], config.workers, progress)
     return {"config": asdict(config), "rows": rows, **analyse_flood(rows)}
 
 

@@ -177,29 +177,38 @@ def analyse(rows: list[dict], ours: str = OURS, metrics: tuple[str, ...] = METRI
     return out
 
 
+def collect_rows(fn, jobs: list[tuple], labels: list[str], workers: int, progress=None) -> list[dict]:
+    """``fn(*job)``'s rows for every job, concatenated in job order: in this process with
+    ``workers <= 1`` (a forked worker of a process running threads can hang), else in that many worker
+    processes. ``progress(label)`` after each job's rows are in."""
+    rows: list[dict] = []
+    if workers <= 1:
+        for job, label in zip(jobs, labels):
+            rows += fn(*job)
+            if progress is not None:
+                progress(label)
+        return rows
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(fn, *job) for job in jobs]
+        for future, label in zip(futures, labels):
+            rows += future.result()
+            if progress is not None:
+                progress(label)
+    return rows
+
+
 def run_study(config: SessionStudyConfig, profile: Profile, progress=None) -> dict:
     """Run every group (in worker processes); returns ``{"config", "rows", "comparisons", ...}``."""
     import time
 
     started = time.perf_counter()
     dealt = groups(config.files, config.group_size)
-    rows: list[dict] = []
-    if config.workers <= 1:  # in this process (a forked worker of a process running threads can hang)
-        for i, files in enumerate(dealt):
-            rows += run_group(config, profile, i, files)
-            if progress is not None:
-                progress(f"group {i}: {', '.join(files)}")
-    else:
-        with ProcessPoolExecutor(max_workers=config.workers) as pool:
-            futures = [(i, pool.submit(run_group, config, profile, i, files)) for i, files in enumerate(dealt)]
-            for i, future in futures:
-                rows += future.result()
-                if progress is not None:
-                    progress(f"group {i}: {', '.join(dealt[i])}")
+    rows = collect_rows(run_group, [(config, profile, i, files) for i, files in enumerate(dealt)],
+                        [f"group {i}: {', '.join(files)}" for i, files in enumerate(dealt)], config.workers, progress)
     return {"config": asdict(config), "profile": profile.to_dict(), "groups": [list(g) for g in dealt],
             "duplicates": DUPLICATES, "rows": rows, "comparisons": analyse(rows),
             "wall_s": time.perf_counter() - started, "environment": _environment()}
 
 
-__all__ = ["DUPLICATES", "GROUP_SIZE", "METRICS", "SESSION_FILES", "SessionStudyConfig", "analyse", "group_trace",
-           "groups", "run_group", "run_study", "session_rows"]
+__all__ = ["DUPLICATES", "GROUP_SIZE", "METRICS", "SESSION_FILES", "SessionStudyConfig", "analyse", "collect_rows",
+           "group_trace", "groups", "run_group", "run_study", "session_rows"]
