@@ -36,6 +36,7 @@ demo-server: setup
 bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --out bench/results/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/real_sessions.py
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/inference_attribution.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/admission.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
@@ -47,6 +48,7 @@ QUICK_OUT ?= bench-quick
 bench-quick: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --quick --out $(QUICK_OUT)/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/real_sessions.py --quick --out $(QUICK_OUT)
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/inference_attribution.py --quick --out $(QUICK_OUT)
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/admission.py --quick --out $(QUICK_OUT)
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py --quick --out $(QUICK_OUT)
 

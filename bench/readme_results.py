@@ -198,7 +198,7 @@ def _sessions(body: dict) -> list[str]:
            "groups to exclude 1. Resume TTFT counts from the call's trace arrival (modelled times).", ""]
     for title, comparisons, others in (("ours", body["comparisons"], ("hicache", "kvflow", "stock")),
                                        ("ours, inferred (no client hints)", body.get("comparisons_inferred", ()),
-                                        ("hicache",))):
+                                        ("hicache", "agentcache"))):
         cells = {(c["other"], c["host_ratio"], c["metric"]): c for c in comparisons}
         columns = [label for _, label in _SESSION_COLUMNS]
         out += [f"**{title} / other, per session** | " + " | ".join(columns),
@@ -229,6 +229,64 @@ def _session_spread(body: dict, policy: str = "agentcache", other: str = "hicach
         out.append(f"- ours / {other} per session at host {host:g}x: best {show(ratios[:6])}; worst "
                    f"{show(ratios[:-7:-1])}; {sum(r > 1.05 for r, _ in ratios)} of {len(ratios)} sessions "
                    "more than 5% worse, " + f"{sum(r < 0.95 for r, _ in ratios)} more than 5% better.")
+    return out + [""]
+
+
+#: The attribution study's steps, as the table names them.
+_STEP_LABELS = {"agentcache-inferred-v1": "as first shipped (idle close frees, edit = fork)",
+                "agentcache-inferred-no-edits": "+ idle close keeps the KV cached",
+                "agentcache-inferred": "+ edits inferred (shipped)",
+                "agentcache-inferred+closes": "+ the trace's subagent closes (explicit only)"}
+_FLAG_LABELS = {"return_after_close": "back after an idle close", "trace_edit": "edit (trace-labelled)",
+                "edit_not_in_trace": "edit inferred, not in trace", "subagent_start": "subagent's first call",
+                "branch_change": "continuation moved", "": "reading agrees with the trace"}
+
+
+def _attribution(body: dict) -> list[str]:
+    """Inference, one decision at a time, against explicit hints on the real sessions; and where the
+    extra recompute lands."""
+    n = len({r["session"] for r in body["rows"]})
+    cells = {(c["policy"], c["host_ratio"], c["metric"]): c for c in body["comparisons"]}
+    hosts = sorted({c["host_ratio"] for c in body["comparisons"]})
+    out = [f"Zero-config inference against explicit hints (`bench/inference_attribution.py`; the same {n} sessions, "
+           "groups, pools and host bytes as above): each row adds one inference decision to the row before; "
+           "recomputed tokens and resume TTFT p99 as the mean of per-session ratios to ours with the trace's "
+           "explicit hints, 95% t interval over sessions (verdict: it and a group bootstrap exclude 1).", "",
+           "**inferred / explicit hints** | " + " | ".join(f"recompute, host {h:g}x | resume p99, host {h:g}x"
+                                                           for h in hosts),
+           "---|" + "|".join("---:|---:" for _ in hosts)]
+    for step in body["steps"]:
+        out.append(f"{_STEP_LABELS.get(step, step)} | " + " | ".join(
+            f"{_session_cell(cells.get((step, h, 'recomputed_tokens')))} | "
+            f"{_session_cell(cells.get((step, h, 'resume_ttft_p99_s')))}" for h in hosts))
+    steps = {(c["policy"], c["host_ratio"]): c for c in body.get("step_comparisons", ())
+             if c["metric"] == "recomputed_tokens"}
+    for step in body["steps"][1:]:
+        got = [f"host {h:g}x {_session_cell(steps.get((step, h)))}" for h in hosts if (step, h) in steps]
+        if got:
+            out.append(f"- {_STEP_LABELS.get(step, step)}, recompute / the row before: " + "; ".join(got) + ".")
+    out += ["", "Where the extra recompute lands (calls summed over every session, as a share of explicit hints' "
+            "total recompute; each call flagged by how the inference read it against the trace's labels):", "",
+            "step, host | total | " + " | ".join(_FLAG_LABELS.values()),
+            "---|---:|" + "|".join("---:" for _ in _FLAG_LABELS)]
+    for key, entry in body["summary"].items():
+        shares = entry["extra_share_by_flag"]
+        out.append(f"{_STEP_LABELS.get(entry['policy'], entry['policy'])}, {entry['host_ratio']:g}x | "
+                   f"{entry['extra_share']:+.1%} | " + " | ".join(f"{shares.get(f, 0.0):+.1%}" for f in _FLAG_LABELS))
+    shipped = next((e for e in body["summary"].values()
+                    if e["policy"] == "agentcache-inferred" and e["host_ratio"] == 0.5), None)
+    if shipped is not None:
+        a = shipped["audit"]
+        out += ["", f"Readings at host 0.5x, shipped inference, all sessions: {a['calls']} calls; "
+                f"{a['trace_edits']} edits in the trace: {a['trace_edits_inferred']} read as edits, "
+                f"{a.get('trace_edits_continued', 0)} as the branch going on (the rewrite falls within the prompt's "
+                f"last, partial block, which carries no fingerprint), {a['trace_edits_as_forks']} as forks, the "
+                f"rest as a new conversation (the rewrite reaches the first user message, which names the "
+                f"session); "
+                f"{a['edits_not_in_trace']} edits inferred where the trace has none; {a['subagent_starts']} subagents, "
+                f"{a['subagents_forked']} linked to their lead (the others open with a system prompt of their own); "
+                f"{a['returns_after_close']} calls back on a branch the idle sweep had closed; "
+                f"{a['branch_changes']} continuations moved to another branch."]
     return out + [""]
 
 
@@ -569,8 +627,19 @@ def _sessions_summary(body: dict) -> list[str]:
         got = [f"{label} {_session_cell(cells.get((host, m)))}" for m, label in _SESSION_COLUMNS
                if m in ("recomputed_tokens", "resume_ttft_p50_s", "resume_ttft_p99_s", "jct_s")]
         parts.append(f"host {host:g}x: " + "; ".join(got))
-    return [f"Real Claude Code sessions ({n} independent sessions, per-session paired, 95% CI over sessions), "
-            "ours / write-back (`hicache`, same pool and host bytes): " + " | ".join(parts) + ".", ""]
+    out = [f"Real Claude Code sessions ({n} independent sessions, per-session paired, 95% CI over sessions), "
+           "ours / write-back (`hicache`, same pool and host bytes): " + " | ".join(parts) + ".", ""]
+    inferred = {(c["other"], c["host_ratio"], c["metric"]): c for c in body.get("comparisons_inferred", ())}
+    parts = []
+    for host in sorted({h for _, h, _ in inferred}):
+        got = [f"/ {label} {_session_cell(inferred.get((other, host, 'recomputed_tokens')))}, resume p99 "
+               f"{_session_cell(inferred.get((other, host, 'resume_ttft_p99_s')))}"
+               for other, label in (("hicache", "write-back"), ("agentcache", "explicit hints"))]
+        parts.append(f"host {host:g}x: " + "; ".join(got))
+    if parts:
+        out += ["Zero-config (`AGENTCACHE_INFER=chat`, no client hints) on the same sessions, recomputed tokens: "
+                + " | ".join(parts) + ".", ""]
+    return out
 
 
 def _server_summary(body: dict) -> list[str]:
@@ -607,7 +676,7 @@ def render_summary() -> str:
 def render() -> str:
     """bench/README.md's block: every table."""
     return _render((("replay/results.json", _replay), ("real_sessions.json", _sessions),
-                    ("admission.json", _admission),
+                    ("inference_attribution.json", _attribution), ("admission.json", _admission),
                     ("server_recompute.json", _server), (ON_HICACHE, _server_on_hicache),
                     (ADMISSION_SERVER, _server_admission), (SERVER_SEEDS, _server_seeds),
                     ("cluster_recompute.json", _cluster),

@@ -14,18 +14,22 @@ they live in the caller's namespace (tenant): two tenants sending the same chat 
 
 Branches: each session tracks the messages of each branch's last request as a chain of fingerprints
 (one per message, each covering every message before it). A request whose messages extend a branch's
-last request continues that branch (a tool result, the next user turn). One that extends a branch
-whose own request is still running, or that shares history with a branch and then diverges, is a
-fork of it (a subagent: it shares the parent's exact nodes and its own are its scratch). One that
-shares no message past the system messages with any branch is an independent conversation of the
-session (a client reusing one ``prompt_cache_key`` for unrelated chats): a new branch without a parent.
+last request continues that branch (a tool result, the next user turn). One that shares history with
+an idle branch (no request in flight) and then diverges is an *edit* of it (a compaction, a retried
+turn): the branch goes on and its old suffix is freed at once (``edit_from_tokens``); a wrong guess --
+the old suffix wanted again -- costs a recompute. One that extends a branch whose own request is
+still running, or diverges from a busy one, is a fork of it (a subagent, parallel samples: it shares
+the parent's exact nodes and its own are its scratch). One that shares no message past the system
+messages with any branch is an independent conversation of the session (a client reusing one
+``prompt_cache_key`` for unrelated chats): a new branch without a parent.
 Branch names are never reused within a process (``m`` / ``f`` and a keyed hash of a counter), so a
 branch closed when idle never receives tokens again; they reveal nothing of other tenants' chats.
 
-Idle: a branch with no request in flight for ``idle_s`` is closed (its private KV is reclaimed on
-every tier), after the branches forked from it (a parent's history stays while a fork may still use
-it). The caller never closes a branch paused on a tool (its deadline governs it); the pause's end
-makes it idle-countable again.
+Idle: a branch with no request in flight for ``idle_s`` is closed, after the branches forked from it
+(a parent's history stays while a fork may still use it). The close is a guess, so the caller keeps
+the branch's KV as untagged cache rather than freeing it (a human back from a long pause still finds
+what stock caching would have kept). The caller never closes a branch paused on a tool (its deadline
+governs it); the pause's end makes it idle-countable again.
 
 Bounded per namespace and in all (sessions, message fingerprints; branches per session); past a bound
 the least recently used idle session (or branch) *of the namespace over its share* is forgotten and
@@ -165,9 +169,10 @@ class Inferred:
     session: str
     branch: str
     parent: str | None  # set for a fork
-    shared_messages: int  # for a fork: how many leading messages it shares with the parent
+    shared_messages: int  # for a fork or an edit: how many leading messages it shares with the branch
     source: str
     continued: bool  # it continues a branch's earlier request (a tool result or the next turn)
+    edit: bool = False  # it rewrites its branch's history after ``shared_messages`` (a compaction)
 
 
 @dataclass
@@ -200,7 +205,7 @@ class Assignment:
     previous: tuple[bytes, ...] | None  # the branch's fingerprints before (None: the branch was new)
     recorded: tuple[bytes, ...]  # what this request set them to
     new_session: bool
-    kind: str  # "continued", "forks" or "new_branches" (its counter)
+    kind: str  # "continued", "edits", "forks" or "new_branches" (its counter)
 
 
 def _common(a: tuple, b: tuple) -> int:
@@ -233,8 +238,10 @@ class ChatInference:
 
     def __init__(self, idle_s: float = 300.0, max_sessions: int = 4096, max_branches: int = 32,
                  max_fingerprints: int = 1 << 20, *, max_sessions_per_namespace: int | None = None,
-                 max_fingerprints_per_namespace: int | None = None, name_key: bytes | None = None):
+                 max_fingerprints_per_namespace: int | None = None, name_key: bytes | None = None,
+                 infer_edits: bool = True):
         self.idle_s = idle_s
+        self.infer_edits = infer_edits
         self.max_branches, self.max_fingerprints = max_branches, max_fingerprints
         self.max_fingerprints_per_namespace = min(max_fingerprints_per_namespace or max(max_fingerprints // 4, 1),
                                                   max_fingerprints)
@@ -247,7 +254,7 @@ class ChatInference:
         self.fingerprint_count = 0
         self._name_key = os.urandom(16) if name_key is None else name_key
         self._next = 0
-        self.counters = {"requests": 0, "continued": 0, "forks": 0, "new_branches": 0, "idle_closes": 0,
+        self.counters = {"requests": 0, "continued": 0, "edits": 0, "forks": 0, "new_branches": 0, "idle_closes": 0,
                          "forgotten_branches": 0, "refused": 0}
 
     def _name(self, kind: str) -> str:
@@ -289,6 +296,11 @@ class ChatInference:
                 longest_free = name
         if longest_free is not None:  # a tool result, the next turn: the same branch goes on
             name, parent, shared, kind = longest_free, session.branches[longest_free].parent, 0, "continued"
+        elif (self.infer_edits and closest is not None and closest_len > turn.leading_system
+              and session.branches[closest].in_flight == 0):
+            # Keeps an idle branch's history, then takes it somewhere else: the client rewrote it (a
+            # compaction, a retried last turn). The branch goes on; its old suffix is freed at once.
+            name, parent, shared, kind = closest, session.branches[closest].parent, closest_len, "edits"
         elif closest is not None and closest_len > turn.leading_system:
             # Shares real history with a branch that is busy, or takes it somewhere else: a subagent.
             name, parent, shared, kind = self._name("f"), closest, closest_len, "forks"
@@ -302,7 +314,7 @@ class ChatInference:
         branch.in_flight += 1
         branch.last_seen = now
         session.branches.move_to_end(name)
-        inferred = Inferred(turn.session, name, parent, shared, turn.source, kind == "continued")
+        inferred = Inferred(turn.session, name, parent, shared, turn.source, kind == "continued", kind == "edits")
         return inferred, Assignment(namespace, inferred, previous, fps, new_session, kind)
 
     def commit(self, assignment: Assignment) -> list[tuple[str, str, str]]:
@@ -366,6 +378,14 @@ class ChatInference:
         state = self.sessions.pop((namespace, session))
         if state is not None:
             self._uncount(namespace, state)
+
+    def forget_branch(self, namespace: str, session: str, branch: str) -> None:
+        """The branch was closed by other means: forget it (no-op when unknown)."""
+        state = self.sessions.get((namespace, session))
+        if state is not None and branch in state.branches:
+            self._forget((namespace, session), branch)
+            if not state.branches:
+                self.sessions.pop((namespace, session))
 
     def forget_namespace(self, namespace: str) -> None:
         for _, state in self.sessions.pop_namespace(namespace):

@@ -85,14 +85,36 @@ def test_concurrent_requests_sharing_history_are_forks_of_the_lead():
     assert again.branch == subs[1].branch and again.continued
 
 
-def test_a_divergent_rewrite_is_a_fork_and_an_unrelated_chat_under_one_key_is_its_own_branch():
+def test_a_divergent_rewrite_of_an_idle_branch_is_its_edit_and_an_unrelated_chat_is_its_own_branch():
     inf = ChatInference()
     a, _ = assign(inf, NS, turn([SYSTEM, user("task"), call("read"), result("big file")], prompt_cache_key="k"), 0)
     inf.done(NS, a.session, a.branch, 1)
-    edited, _ = assign(inf, NS, turn([SYSTEM, user("task"), user("summary of the file")], prompt_cache_key="k"), 2)
-    assert edited.parent == a.branch and edited.shared_messages == 2
+    compacted = [SYSTEM, user("task"), user("summary of the file")]
+    edited, _ = assign(inf, NS, turn(compacted, prompt_cache_key="k"), 2)
+    assert edited.edit and edited.branch == a.branch and edited.parent is None and edited.shared_messages == 2
+    assert not edited.continued and inf.stats()["edits"] == 1
+    # The same rewrite while the branch's own request runs: a fork (parallel samples, a subagent).
+    busy, _ = assign(inf, NS, turn(compacted[:2] + [user("another summary")], prompt_cache_key="k"), 3)
+    assert not busy.edit and busy.parent == a.branch and busy.shared_messages == 2
     other, _ = assign(inf, NS, turn([SYSTEM, user("unrelated")], prompt_cache_key="k"), 3)
-    assert other.session == a.session and other.parent is None and other.branch not in (a.branch, edited.branch)
+    assert other.session == a.session and other.parent is None and other.branch not in (a.branch, busy.branch)
+
+
+def test_with_edits_off_a_divergent_rewrite_is_a_fork_as_first_shipped():
+    inf = ChatInference(infer_edits=False)
+    a, _ = assign(inf, NS, turn([SYSTEM, user("task"), call("read"), result("big file")]), 0)
+    inf.done(NS, a.session, a.branch, 1)
+    edited, _ = assign(inf, NS, turn([SYSTEM, user("task"), user("summary of the file")]), 2)
+    assert not edited.edit and edited.parent == a.branch and edited.shared_messages == 2
+
+
+def test_a_branch_closed_by_other_means_is_forgotten():
+    inf = ChatInference()
+    a, _ = assign(inf, NS, turn([SYSTEM, user("task")]), 0)
+    inf.done(NS, a.session, a.branch, 1)
+    inf.forget_branch(NS, a.session, a.branch)
+    inf.forget_branch(NS, a.session, "unknown")  # no-op
+    assert not inf.sessions and inf.fingerprint_count == 0
 
 
 def test_idle_branches_close_unless_busy_and_names_are_never_reused():

@@ -254,6 +254,8 @@ EXEMPT = {
     "server/metrics.py:rejected": "a Prometheus counter, labelled by our fixed refusal reasons",
     "server/metrics.py:clipped": "a Prometheus counter, labelled by the hint fields a ceiling clips",
     "sim/replay.py:events": "the replay's event queue (no tenants' requests)",
+    "sim/attribution_study.py:Counter": "an offline study's tallies over one trace's calls (no server state)",
+    "sim/attribution_study.py:setdefault": "an offline study's summary, one entry per (step, host size)",
     "soak.py:counts": "the soak driver's own client-side tally",
     "trace/stats.py:events": "a trace file's summary, computed offline",
     "chat_infer.py:Counter": "fingerprints_by_namespace (ruled above)",

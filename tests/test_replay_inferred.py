@@ -84,7 +84,11 @@ def test_inferred_replay_serves_every_call_with_no_client_hint_and_leaks_nothing
     inferred = r.inference
     assert inferred["requests"] == len(trace.requests)
     assert inferred["forks"] > 0 and inferred["continued"] > 0  # subagents found without a hint
-    assert inferred["idle_closes"] > 0 and r.reclaimed_tokens > 0  # idle closes reclaimed their KV
+    # Idle closes end the branches but keep their KV as untagged cache (a close is only a guess).
+    assert inferred["idle_closes"] > 0 and inferred["kept_on_close_tokens"] > 0
+    v1 = replay(trace, "agentcache-inferred-v1", pool_tokens=pool, host_tokens=pool, profile=SEED, vocab_size=VOCAB)
+    assert v1.integrity_ok and v1.leaked_tokens == 0
+    assert v1.reclaimed_tokens > 0 and v1.inference["kept_on_close_tokens"] == 0  # as first shipped: freed
     assert sum(r.decisions[k] for k in ("keep", "offload", "discard", "release")) > 0  # tool pauses decided
 
 
@@ -114,3 +118,59 @@ def test_inferred_replay_ignores_the_trace_closes_and_edits():
     assert result.requests == 2 and result.inference["continued"] == 1
     # Closed by the idle sweep (idle_s after the last answer), not by the trace's close.
     assert result.inference["idle_closes"] == 1 and result.reclaim_latencies_s == []
+
+
+def test_a_divergence_from_an_idle_branch_is_its_edit_and_from_a_busy_one_a_fork():
+    inference = ReplayInference(BLOCK, idle_s=10.0)
+    lead, _ = inference.receive(_call("l1", 0.0, [1, 2, 3, 4, 5, 6]), 0.0)
+    inference.done(lead, 1.0)
+    compacted, _ = inference.receive(_call("l2", 2.0, [1, 2, 3, 9, 10]), 2.0)
+    assert compacted.branch == lead.branch and compacted.parent_branch is None
+    assert compacted.edit_from_tokens == 3 * BLOCK  # the blocks it still shares
+    # While the branch's own call runs, a divergent call is a fork, not an edit.
+    forked, _ = inference.receive(_call("f1", 2.1, [1, 2, 3, 9, 11, 12]), 2.1)
+    assert forked.parent_branch == lead.branch and forked.edit_from_tokens is None
+    assert inference.stats()["edits"] == 1 and inference.stats()["forks"] == 1
+    as_shipped = ReplayInference(BLOCK, idle_s=10.0, infer_edits=False)
+    first, _ = as_shipped.receive(_call("l1", 0.0, [1, 2, 3, 4, 5, 6]), 0.0)
+    as_shipped.done(first, 1.0)
+    again, _ = as_shipped.receive(_call("l2", 2.0, [1, 2, 3, 9, 10]), 2.0)
+    assert again.parent_branch == first.branch and again.edit_from_tokens is None
+
+
+def test_an_inferred_edit_frees_the_old_suffix_and_the_audit_counts_it():
+    history = list(range(1, 41))
+    calls = [_call("c0", 0.0, history), _call("c1", 50.0, history[:10] + list(range(100, 110)))]
+    trace = Trace(header=TraceHeader(block_tokens=BLOCK), records=calls)
+    run = _Run(trace, POLICIES["agentcache-inferred"], 4096, 0, SEED, VOCAB, 8, None, False)
+    result = run.run()
+    assert result.inference["edits"] == 1 and run.cache.context_edit_freed_tokens > 0
+    assert result.inference["audit"]["edits_not_in_trace"] == 1  # the trace did not label it
+    assert result.integrity_ok and result.leaked_tokens == 0
+
+
+def test_a_conversation_back_after_a_long_pause_finds_its_history_unless_idle_closes_free_it():
+    """A human away for longer than the idle time: the idle close was wrong. Kept as untagged cache,
+    the history is still resident when the next turn comes (nothing else wanted the room)."""
+    history = list(range(1, 41))
+    calls = [_call("c0", 0.0, history), _call("c1", 2000.0, history + [41, 42])]
+    trace = Trace(header=TraceHeader(block_tokens=BLOCK), records=calls)
+    cached = {}
+    for policy in ("agentcache-inferred", "agentcache-inferred-v1"):
+        result = _Run(trace, POLICIES[policy], 4096, 0, SEED, VOCAB, 8, None, False).run()
+        assert result.inference["idle_closes"] >= 1 and result.inference["audit"]["returns_after_close"] == 1
+        assert result.integrity_ok and result.leaked_tokens == 0
+        cached[policy] = result.calls["c1"].cached_tokens
+    assert cached["agentcache-inferred"] >= 39 * BLOCK
+    assert cached["agentcache-inferred-v1"] == 32  # the stable prefix (unowned) only: the history was freed
+
+
+def test_the_attribution_policy_applies_the_traces_own_closes_to_inferred_branches():
+    calls = [_call("c0", 0.0, [1, 2, 3, 4]),
+             _call("s0", 0.0, [1, 2, 5, 6, 7], branch="sub", parent="main", fork=32)]
+    trace = Trace(header=TraceHeader(block_tokens=BLOCK),
+                  records=[*calls, Event(t=5.0, kind="close_branch", session="s", branch="sub")])
+    closes = _Run(trace, POLICIES["agentcache-inferred+closes"], 4096, 0, SEED, VOCAB, 8, None, False).run()
+    plain = _Run(trace, POLICIES["agentcache-inferred"], 4096, 0, SEED, VOCAB, 8, None, False).run()
+    assert closes.reclaimed_tokens > 0 and plain.reclaimed_tokens == 0  # freed at the trace's close
+    assert closes.integrity_ok and closes.leaked_tokens == 0

@@ -177,6 +177,33 @@ def test_closing_a_branch_frees_its_spilled_nodes_and_terminated_nodes_never_spi
     assert_clean(driver)
 
 
+def test_a_close_that_keeps_the_cache_untags_the_branch_on_every_tier_and_it_still_hits():
+    """Chat inference's idle close is a guess (``keep_cached``): the branch ends (no owner, no charge,
+    never a parent), but its device and host nodes stay as untagged cache, and a later prompt that
+    continues the history hits them, on device and from host."""
+    driver = spill_driver(pool=300, host=2000)
+    cache = driver.cache
+    owner = BranchKey(namespace_key(None, None), "s", "w1")
+    run(driver, "w", ids(10, 100), hint={"session": "s", "branch": "w1"})
+    run(driver, "w", ids(10, 150), hint={"session": "s", "branch": "w1"})  # two nodes: 100, then 50
+    run(driver, "flood", ids(200, 170))  # the leaf of w1's history spills to host
+    spilled = sum(len(e) for e in cache.spill.by_owner.get(owner, ()))
+    on_device = cache.tree_core.owned_tokens(owner) - spilled
+    assert spilled > 0 and on_device > 0
+    freed_before = cache.freed_on_close_tokens
+    with driver.activated():
+        closed = cache.close_branch(owner, keep_cached=True)
+    assert closed["closed"] and closed["freed_tokens"] == 0 and closed["host_freed_tokens"] == 0
+    assert closed["kept_tokens"] == cache.kept_on_close_tokens >= 150
+    assert cache.freed_on_close_tokens == freed_before and owner in cache.closed
+    assert cache.tree_core.owned_tokens(owner) == 0 and owner not in cache.spill.by_owner
+    assert all(e.state.owner is None for e in cache.spill.lru)
+    assert cache.agent_stats()["resident_tokens"]["session"] == 0
+    assert_clean(driver)
+    assert run(driver, "back", ids(10, 150) + ids(400, 5)) >= 149  # device nodes and host entries, reused
+    assert_clean(driver)
+
+
 def test_purge_and_reset_drop_host_entries():
     driver = spill_driver(pool=300, host=2000)
     cache = driver.cache

@@ -42,8 +42,8 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.fork_points import BranchContexts
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
-from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, BranchKey, InsertPlan, NodeClass, RecentBranches,
-                                      namespace_key, namespace_salt)
+from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, UNTAGGED_STATE, BranchKey, InsertPlan, NodeClass,
+                                      RecentBranches, namespace_key, namespace_salt)
 from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.retention import Band, RetentionModel, device_rank, host_band
 from sgl_agentcache.server.admission import parent_refusal
@@ -119,6 +119,7 @@ class AgentRadixCache(UnifiedRadixCache):
         # Each open branch's quota, as its own requests set it (bounded like the branch sets).
         self.quotas: NamespacedLRU[BranchKey, int] = NamespacedLRU(self.closed.limit, self.closed.namespace_limit)
         self.freed_on_close_tokens = 0
+        self.kept_on_close_tokens = 0  # closes that kept the KV as untagged cache (inferred closes)
         self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
         self.invalid_hints = 0
         self.adopted_tokens = 0  # siblings' scratch a request reused, made the session's history
@@ -714,8 +715,14 @@ class AgentRadixCache(UnifiedRadixCache):
 
     # ---- termination ----
 
-    def close_branch(self, branch: BranchKey) -> dict:
-        """Terminate ``branch``: its nodes become reclaimable, unlocked ones are freed now."""
+    def close_branch(self, branch: BranchKey, *, keep_cached: bool = False) -> dict:
+        """Terminate ``branch``: its nodes become reclaimable, unlocked ones are freed now.
+
+        ``keep_cached`` (a close the server only guessed: chat inference's idle close): the branch
+        ends just the same (no quota, no pause, never a parent again), but its nodes on every tier
+        stay as untagged cache, ranked by recency as stock SGLang ranks everything, rather than being
+        freed. A wrong guess -- the conversation comes back after a long human pause -- then costs
+        what stock caching would cost, not a recompute of the whole history."""
         known = branch in self.seen or branch in self.tree_core.owner_index or branch in self.pauses.host.entries
         already = branch in self.closed
         if not known and not already:
@@ -723,8 +730,17 @@ class AgentRadixCache(UnifiedRadixCache):
         self.closed.add(branch)
         self.quotas.pop(branch)
         self.contexts.forget(branch)
-        host_freed = self.pauses.forget(branch) + self.spill.drop_owner(branch)
         core = self.tree_core
+        if keep_cached:
+            host_freed = self.pauses.forget(branch)
+            kept = self.spill.disown(branch)
+            for node in list(core.owner_index.get(branch, ())):
+                kept += len(node.key)
+                core.set_state(node, UNTAGGED_STATE)
+            self.kept_on_close_tokens += kept
+            return {"closed": True, "already_closed": already, "freed_tokens": 0, "host_freed_tokens": host_freed,
+                    "kept_tokens": kept, "pending_tokens": 0}
+        host_freed = self.pauses.forget(branch) + self.spill.drop_owner(branch)
         for node in list(core.owner_index.get(branch, ())):
             if not node.agent.terminated:
                 core.set_state(node, node.agent.ended())
@@ -1025,6 +1041,7 @@ class AgentRadixCache(UnifiedRadixCache):
                          for b in branches],
             "closed_branches": len(self.closed),
             "freed_on_close_tokens": self.freed_on_close_tokens,
+            "kept_on_close_tokens": self.kept_on_close_tokens,
             "terminated_pending_tokens": sum(len(n.key) for n in core.terminated),
             "quota_trimmed_tokens": self.quota_trimmed_tokens,
             "over_quota_branches": sum(self.over_quota(b) for b in core.owner_index),

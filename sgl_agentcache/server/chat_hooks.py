@@ -15,7 +15,9 @@ The rules live in :mod:`sgl_agentcache.chat_infer`; this module is the SGLang co
   is longest) before the response (or the stream's ``[DONE]``) goes out; the branch's next request
   resumes it, as with an explicit hint. The request is then done for the idle clock.
 - A sweeper closes branches idle past ``AGENTCACHE_INFER_IDLE_S`` (never one paused on a tool: its
-  deadline governs it).
+  deadline governs it). Such a close is a guess, so it keeps the branch's KV as untagged cache
+  (``close_branch(keep_cached=True)``): a conversation back from a long human pause still finds what
+  stock caching would have kept.
 
 With tenancy an inferred session lives in the caller's namespace and needs no session credential: the
 server made it, and the namespace alone keeps tenants apart. Pinned SGLang internals:
@@ -194,8 +196,12 @@ def infer(adapted, serving, request, raw_request) -> None:
         if prompt_ids:
             stable = _stable_prefix(serving, request, turn, prompt_ids, namespace)
             fields["stable_prefix_tokens"] = stable
+            shared = inferred.shared_messages
+            if inferred.edit:  # the branch goes on, its history rewritten past the shared messages
+                fields["edit_from_tokens"] = max(_rendered_common(serving, request, shared, prompt_ids), stable)
+                shared = 0  # and, for a fork's branch, its fork point is what it was
             if inferred.parent is not None:
-                fork = _rendered_common(serving, request, inferred.shared_messages, prompt_ids)
+                fork = _rendered_common(serving, request, shared, prompt_ids)
                 fields |= {"parent_branch": inferred.parent, "fork_point_tokens": max(fork, stable)}
         elif inferred.parent is not None:
             fields["parent_branch"] = inferred.parent
@@ -327,7 +333,9 @@ async def _close(namespace: str, session: str, branch: str, reason: str) -> None
     await coordinator.settle([(namespace, session, branch)])
     if (namespace, session, branch) in coordinator.on_tools():  # paused on a tool meanwhile: not idle after all
         return
-    status, result = await _send("branch_close", {"namespace": namespace, "session": session, "branch": branch})
+    # A guess, not the client's word: the branch ends, its KV stays as untagged cache (keep_cached).
+    status, result = await _send("branch_close", {"namespace": namespace, "session": session, "branch": branch,
+                                                  "keep_cached": True})
     if status == 200:
         coordinator.finished(namespace, session, branch, reason=reason)
     elif status != 404:  # 404: the scheduler never saw it (a request refused before admission)

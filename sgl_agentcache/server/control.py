@@ -103,7 +103,8 @@ def _branch_close(scheduler, args: dict) -> dict:
     from sgl_agentcache.lifecycle import BranchKey
 
     branch = BranchKey(args["namespace"], args["session"], args["branch"])
-    result = _agent_cache(scheduler).close_branch(branch)
+    # keep_cached: a close only inferred (chat inference's idle sweep); never from a client's route.
+    result = _agent_cache(scheduler).close_branch(branch, keep_cached=bool(args.get("keep_cached")))
     if not result["closed"]:
         raise CtlError(404, f"unknown branch {branch.session}/{branch.branch} (nothing changed)")
     return result | {"branch": branch.to_dict()}

@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sgl_agentcache.lifecycle import BranchKey, NodeState
+from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
 from sgl_agentcache.policy.retention import Band, host_band, learned_rate
 from sgl_agentcache.server.host_tier import HostTier, nbytes_of
 
@@ -601,6 +601,22 @@ class SpillTier:
         """``branch`` ended: its entries go, with whatever hangs from them (a closed branch's scratch is
         freed on every tier). Returns host tokens freed."""
         return sum(self._drop_tree(e, "closed") for e in list(self.by_owner.get(branch, ())) if e in self.lru)
+
+    def disown(self, branch: BranchKey) -> int:
+        """``branch`` ended but its state stays cached (a close only inferred): its entries become
+        untagged host cache, no longer charged, advised or protected. Returns their tokens."""
+        self.advice.pop(branch, None)
+        kept = 0
+        for entry in self.by_owner.pop(branch, ()):
+            kept += len(entry)
+            _take(self.owner_tokens, branch, len(entry))
+            if not entry.low_value:
+                _take(self.charged_tokens, branch, len(entry))
+            if entry.protected:
+                entry.protected = False
+                self.protected_tokens -= len(entry)
+            entry.state = UNTAGGED_STATE
+        return kept
 
     def drop_salt(self, salt: str) -> int:
         """Every entry of the namespaces salted ``salt`` (a tenant purge)."""

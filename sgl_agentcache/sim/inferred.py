@@ -17,10 +17,12 @@ would have run (``hints="inferred"``). What carries over, and what it stands for
 - a fork's ``fork_point_tokens`` -> the shared blocks' tokens (at least the stable prefix);
 - a tool pause -> the call's tool (the server pauses on a reply carrying tool calls, class = the
   function's name);
-- closes and context edits -> none: a client sends no close, and the server infers no edit (an edited
-  prompt shares history and diverges, so it is a fork; the old branch closes when idle). Branches close
-  after ``idle_s`` without a call in flight, except while paused on a tool within the server's
-  maximum retention.
+- a context edit -> what the server infers: a call that shares history with an idle branch and then
+  diverges edits it (``edit_from_tokens`` = the shared blocks' tokens), whether or not the trace marks
+  an edit there;
+- closes -> none: a client sends no close. Branches close after ``idle_s`` without a call in flight,
+  except while paused on a tool within the server's maximum retention; the replay closes them as the
+  server's sweeper does (``keep_cached``: their KV stays as untagged cache).
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ def block_turn(request: Request, block_tokens: int) -> ChatTurn:
 class ReplayInference:
     """The server's inference state for one replay; every method takes the replay's clock."""
 
-    def __init__(self, block_tokens: int, idle_s: float = IDLE_S, max_retention_s: float = MAX_RETENTION_S):
+    def __init__(self, block_tokens: int, idle_s: float = IDLE_S, max_retention_s: float = MAX_RETENTION_S,
+                 infer_edits: bool = True):
         self.block_tokens = block_tokens
-        self.state = ChatInference(idle_s=idle_s, name_key=b"replay")  # names: deterministic run to run
+        self.state = ChatInference(idle_s=idle_s, name_key=b"replay",  # names: deterministic run to run
+                                   infer_edits=infer_edits)
         self.max_retention_s = max_retention_s
 
     @property
@@ -63,23 +67,29 @@ class ReplayInference:
         return self.state.idle_s
 
     def receive(self, request: Request, now: float) -> tuple[Request, list[BranchKey]]:
-        """The call as the server would run it (inferred session, branch, parent and fork point;
-        no close, no edit), and the branches the inference's bounds forgot (to close)."""
+        """The call as the server would run it (inferred session, branch, parent, fork point and
+        edit; no close), and the branches the inference's bounds forgot (to close)."""
         namespace = namespace_key(request.tenant, None)
         inferred, assignment = self.state.assign(namespace, block_turn(request, self.block_tokens), now)
         forgotten = self.state.commit(assignment)  # a replayed call is never refused at the front door
-        fork_point = None
+        fork_point = edit_from = None
+        shared = min(inferred.shared_messages * self.block_tokens, request.input_tokens)
+        if inferred.edit:  # its branch goes on: a fork's own call again, if the branch is a fork
+            edit_from, shared = shared, 0
         if inferred.parent is not None:
-            shared = min(inferred.shared_messages * self.block_tokens, request.input_tokens)
             fork_point = max(shared, request.stable_prefix_tokens)
         rewritten = msgspec.structs.replace(
             request, session=inferred.session, branch=inferred.branch, parent_branch=inferred.parent,
-            fork_point_tokens=fork_point, close=False, edit_from_tokens=None, hints="inferred")
+            fork_point_tokens=fork_point, close=False, edit_from_tokens=edit_from, hints="inferred")
         return rewritten, [BranchKey(*item) for item in forgotten]
 
     def done(self, request: Request, now: float) -> None:
         """A call received through :meth:`receive` ended."""
         self.state.done(namespace_key(request.tenant, None), request.session, request.branch, now)
+
+    def forget(self, branch: BranchKey) -> None:
+        """``branch`` was closed by other means (attribution: the trace's own close)."""
+        self.state.forget_branch(branch.namespace, branch.session, branch.branch)
 
     def idle(self, now: float, paused: dict[BranchKey, float]) -> list[BranchKey]:
         """Branches the idle sweep closes now; ``paused``: branch -> when its tool pause began (a pause

@@ -46,7 +46,12 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
   spill, and a prefetch at the tool class's learned median (into free memory only).
 - ours, inferred (``agentcache-inferred``): the same cache with no client hint at all: sessions,
   branches, forks, stable prefixes and tool pauses inferred from the calls as ``AGENTCACHE_INFER=chat``
-  infers them from chat requests (``sim/inferred.py``); no closes (idle closes) and no edits.
+  infers them from chat requests (``sim/inferred.py``): idle closes that keep the KV cached, edits
+  inferred, no client close. ``agentcache-inferred-v1`` is that inference as it first shipped (idle
+  closes free, edits read as forks), ``agentcache-inferred-no-edits`` keeps the KV on idle closes but
+  reads edits as forks, and ``agentcache-inferred+closes`` adds the trace's own branch closes (what a
+  harness's explicit hint would say): they exist for the attribution study
+  (``bench/inference_attribution.py``), not as systems.
 - ``clairvoyant``: Belady on true next use, release of what is never used again, an exact prefetch one
   transfer before the true return. A heuristic that reads the future, *not* a bound: the bound is the
   LP in ``sim/bound.py``.
@@ -126,6 +131,9 @@ class ReplayPolicy:
     pause_rule: Callable[[], PauseRule] | None = None  # a factory: one rule (with its state) per run
     steps: bool = False  # KVFlow's step graph drives ranking and prefetch
     infer: bool = False  # hints inferred from the calls as AGENTCACHE_INFER=chat does (sim/inferred.py)
+    infer_edits: bool = True  # inferred: a divergence from an idle branch is its edit (else a fork)
+    infer_keep_on_close: bool = True  # inferred: an idle close keeps the KV as untagged cache (else frees)
+    infer_trace_closes: bool = False  # inferred + the trace's own closes (attribution only)
 
     @property
     def reference(self) -> bool:
@@ -245,6 +253,13 @@ POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
                  pause_rule=OursRule),
     ReplayPolicy("agentcache-inferred", "ours, inferred hints (AGENTCACHE_INFER=chat; no client hints)",
                  hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True),
+    ReplayPolicy("agentcache-inferred-v1", "ours, inferred as first shipped (idle closes free; edits are forks)",
+                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_edits=False,
+                 infer_keep_on_close=False),
+    ReplayPolicy("agentcache-inferred-no-edits", "ours, inferred, edits read as forks (attribution)",
+                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_edits=False),
+    ReplayPolicy("agentcache-inferred+closes", "ours, inferred, plus the trace's own branch closes (attribution)",
+                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_trace_closes=True),
     ReplayPolicy("clairvoyant", "clairvoyant heuristic (Belady + exact prefetch; reads the future, not a bound)",
                  ranking=NextUseRanking, hints=True, spill=True, clairvoyant=True, pause_rule=ClairvoyantRule),
 )}

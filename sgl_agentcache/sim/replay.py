@@ -144,6 +144,9 @@ class ReplayResult:
     calls: dict = field(default_factory=dict, repr=False)
     completion_s: float = 0.0  # when the last call finished (the trace's makespan under this system)
     inference: dict = field(default_factory=dict)  # ours, inferred: what the chat inference decided
+    # ours, inferred: request id -> where its reading departs from the trace's labels ("" where it does not;
+    # _Run.audit_inferred), for the attribution study
+    inference_flags: dict = field(default_factory=dict)
     wall_s: float = 0.0
 
     @property
@@ -341,8 +344,18 @@ class _Run:
         # Ours, inferred: the server's chat inference names each call's branch when it is received
         # (sim/inferred.py); causality (a branch's next call waits for its previous one) stays on the
         # trace's own branches, whose names the rewritten calls keep here, by request id.
-        self.inference = ReplayInference(trace.header.block_tokens) if policy.infer else None
+        self.inference = (ReplayInference(trace.header.block_tokens, infer_edits=policy.infer_edits)
+                          if policy.infer else None)
         self.trace_keys: dict[str, tuple] = {}
+        self.inferred_of: dict[tuple, BranchKey] = {}  # trace branch -> the inferred branch of its last call
+        self.inferred_closed: set[BranchKey] = set()  # inferred branches the idle sweep or the bounds closed
+        self.trace_closes: list[tuple] = []  # attribution: trace closes waiting for their branch's calls
+        self.trace_closed: set[tuple] = set()
+        self.inference_flags: dict[str, str] = {}
+        self.audit = {"calls": 0, "trace_edits": 0, "trace_edits_inferred": 0, "trace_edits_as_forks": 0,
+                      "trace_edits_continued": 0,
+                      "edits_not_in_trace": 0, "subagent_starts": 0, "subagents_forked": 0,
+                      "returns_after_close": 0, "branch_changes": 0, "trace_closes_applied": 0}
         self.received: dict[tuple, int] = {}  # trace branch -> its calls the server received, not yet done
         self.inferred_orphans = 0
         self.restore_marks: dict[str, int] = {}  # request id -> tokens its failed attempts loaded back
@@ -477,8 +490,10 @@ class _Run:
 
         trace_key = self.key(request)
         if self.inference is not None:
+            original = request
             request, forgotten = self.inference.receive(request, now)
             self.trace_keys[request.id] = trace_key
+            self.audit_inferred(original, request, trace_key)
             self.close_inferred(forgotten)
         if self.agent:
             cache, own = self.cache, self.branch(request)
@@ -506,6 +521,37 @@ class _Run:
         if self.graph is not None:
             self.update_steps(self.graph.received(request))
         return request
+
+    def audit_inferred(self, original: Request, inferred: Request, trace_key: tuple) -> None:
+        """Count where the inference's reading of a call departs from the trace's own labels (what the
+        attribution study reports): edits missed or invented, subagents not linked to their parent,
+        calls of a branch that was closed as idle, continuations moved to another branch."""
+        a, own = self.audit, self.branch(inferred)
+        before = self.inferred_of.get(trace_key)
+        a["calls"] += 1
+        flags = []
+        if original.edit_from_tokens is not None:
+            a["trace_edits"] += 1
+            a["trace_edits_inferred"] += inferred.edit_from_tokens is not None
+            a["trace_edits_as_forks"] += inferred.parent_branch is not None and own != before
+            a["trace_edits_continued"] += inferred.edit_from_tokens is None and own == before
+            flags.append("trace_edit")
+        elif inferred.edit_from_tokens is not None:
+            a["edits_not_in_trace"] += 1
+            flags.append("edit_not_in_trace")
+        if before is None and original.parent_branch is not None:
+            a["subagent_starts"] += 1
+            a["subagents_forked"] += inferred.parent_branch is not None
+            flags.append("subagent_start")
+        if before is not None and before != own:
+            if before in self.inferred_closed:
+                a["returns_after_close"] += 1
+                flags.insert(0, "return_after_close")
+            elif original.edit_from_tokens is None:
+                a["branch_changes"] += 1
+                flags.append("branch_change")
+        self.inferred_of[trace_key] = own
+        self.inference_flags[original.id] = flags[0] if flags else ""
 
     def resumed(self, request: Request, now: float) -> None:
         """A received call of a paused branch ends its pause: learn the tool's duration, account the
@@ -766,10 +812,38 @@ class _Run:
                 self.ranking.next_use[b] = math.inf
 
     def on_event_inferred(self, event: Event, now: float) -> None:
-        """Inferred: a client sends no closes; an abort ends the call only."""
+        """Inferred: a client sends no closes; an abort ends the call only. With ``infer_trace_closes``
+        (attribution), the trace's close of a branch with no call left closes the inferred branch its
+        last call ran on, as an explicit close would."""
         self.abort_live(event, now)
+        if self.policy.infer_trace_closes and event.kind != "abort":
+            keys = ([k for k in self.inferred_of if k[:2] == (event.tenant, event.session)]
+                    if event.kind == "close_session" else [self.key(event)])
+            self.trace_closes.extend(keys)
+            self.apply_trace_closes()
         if not self.received.get(self.key(event)):  # an abort freed the branch for its next call
             self.waiting.extend(self.release_next(self.key(event), now))
+
+    def apply_trace_closes(self) -> None:
+        """Attribution (``infer_trace_closes``): close, as an explicit close would, the inferred branch
+        of each trace branch the trace closed, once that branch has no call left to run."""
+        waiting = []
+        for key in self.trace_closes:
+            if self.received.get(key) or key in self.deferred:
+                waiting.append(key)
+                continue
+            self.trace_closed.add(key)
+            branch = self.inferred_of.get(key)
+            if branch is None or branch in self.inferred_closed or any(
+                    other == branch and k not in self.trace_closed for k, other in self.inferred_of.items()):
+                continue  # another trace branch's calls run on it too (a subagent that continued its lead)
+            self.inference.forget(branch)
+            self.inferred_closed.add(branch)
+            self.audit["trace_closes_applied"] += 1
+            with self.driver.activated():
+                self.cache.close_branch(branch)
+            self.paused.pop(branch, None)
+        self.trace_closes = waiting
 
     def answered(self, request: Request, now: float) -> None:
         """A received call ended (answered, refused at admission or aborted)."""
@@ -778,6 +852,8 @@ class _Run:
         if self.inference is not None:
             self.inference.done(request, now)
             self.push(now + self.inference.idle_s, "idle", None)
+            if self.trace_closes:
+                self.apply_trace_closes()
 
     def resolve(self, request: Request, now: float) -> None:
         """``request`` ended or was refused: a call held for it that waits for nothing else any more
@@ -797,9 +873,10 @@ class _Run:
     def close_inferred(self, branches: list[BranchKey]) -> None:
         """Close branches the inference forgot (idle or over its bounds), as the server's sweeper does."""
         for branch in branches:
+            self.inferred_closed.add(branch)
             if branch in self.cache.seen:  # else the server never saw it: nothing to close (its 404)
                 with self.driver.activated():
-                    self.cache.close_branch(branch)
+                    self.cache.close_branch(branch, keep_cached=self.policy.infer_keep_on_close)
             self.paused.pop(branch, None)
 
     def drain(self, now: float) -> None:
@@ -899,7 +976,9 @@ class _Run:
                           "recall": pf["used"] / host_resumes if host_resumes else None}
             r.host_tokens_at_end = pauses.host.used_tokens
         if self.inference is not None:
-            r.inference = self.inference.stats() | {"orphans": self.inferred_orphans}
+            r.inference = self.inference.stats() | {"orphans": self.inferred_orphans, "audit": dict(self.audit),
+                                                    "kept_on_close_tokens": self.cache.kept_on_close_tokens}
+            r.inference_flags = self.inference_flags
         if self.policy.hints:
             # Leaked: terminated tokens that nothing holds any more yet are still resident (must be 0).
             # Terminated nodes that other branches' nodes still hang below, on the device or on host

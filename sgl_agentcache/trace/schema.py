@@ -15,8 +15,9 @@ Records:
   time before the branch's next call, or the branch's end (``close``). ``hints`` says where the
   lifecycle fields came from: ``explicit`` (the harness sent them: our header or ``kv_hints``) or
   ``inferred`` (the server inferred them from a plain chat request, ``AGENTCACHE_INFER=chat``; such a
-  record carries no close and no edit, which the server never infers, and a replay sends it marked
-  inferred, so a fork of an unknown parent runs as a branch of its own instead of being refused).
+  record carries no close, which the server never infers (its idle closes are its own), and a replay
+  sends it marked inferred, so a fork of an unknown parent runs as a branch of its own instead of
+  being refused).
 - :class:`Event` -- a termination the harness signals without a model call: close of a branch or a
   session, or an abort.
 
@@ -154,8 +155,8 @@ def validate(trace: Trace) -> Trace:
         if len(record.blocks) != expected_blocks:
             raise TraceError(f"{where}: {len(record.blocks)} blocks for {record.input_tokens} input tokens "
                              f"(expected {expected_blocks} of {block} tokens)")
-        if record.hints == "inferred" and (record.close or record.edit_from_tokens is not None):
-            raise TraceError(f"{where}: an inferred record carries no close or edit_from_tokens")
+        if record.hints == "inferred" and record.close:
+            raise TraceError(f"{where}: an inferred record carries no close")
         if record.fork_point_tokens is not None and record.parent_branch is None:
             raise TraceError(f"{where}: fork_point_tokens without parent_branch")
         for name in ("stable_prefix_tokens", "fork_point_tokens", "edit_from_tokens"):
