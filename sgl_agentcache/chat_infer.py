@@ -17,11 +17,13 @@ Branches: each session tracks the messages of each branch's last request as a ch
 last request continues that branch (a tool result, the next user turn). One that shares history with
 an idle branch (no request in flight) and then diverges is an *edit* of it (a compaction, a retried
 turn): the branch goes on and its old suffix is freed at once (``edit_from_tokens``); a wrong guess --
-the old suffix wanted again -- costs a recompute. One that extends a branch whose own request is
-still running, or diverges from a busy one, is a fork of it (a subagent, parallel samples: it shares
-the parent's exact nodes and its own are its scratch). One that shares no message past the system
-messages with any branch is an independent conversation of the session (a client reusing one
-``prompt_cache_key`` for unrelated chats): a new branch without a parent.
+the old suffix wanted again -- costs a recompute. A branch whose last reply called a tool is idle only
+for a request that brings a tool result past the shared history: one that does not is a subagent the
+tool started, not a rewrite. One that extends a branch whose own request is still running, or
+diverges from a busy one, is a fork of it (a subagent, parallel samples: it shares the parent's exact
+nodes and its own are its scratch). One that shares no message past the system messages with any
+branch is an independent conversation of the session (a client reusing one ``prompt_cache_key`` for
+unrelated chats): a new branch without a parent.
 Branch names are never reused within a process (``m`` / ``f`` and a keyed hash of a counter), so a
 branch closed when idle never receives tokens again; they reveal nothing of other tenants' chats.
 
@@ -139,17 +141,20 @@ class ChatTurn:
     leading_system: int  # how many messages the conversation opens with that are system/developer
     session: str  # inferred session id
     source: str  # where the session came from: prompt_cache_key, safety_identifier, user, conversation
+    last_tool_result: int = -1  # index of the last tool-result message (-1: none)
 
     @classmethod
     def from_messages(cls, messages: Iterable[Mapping], *, prompt_cache_key: str | None = None,
                       safety_identifier: str | None = None, user: str | None = None) -> "ChatTurn":
         fingerprints, digest, opening = [], b"", []
-        leading_system, first_user_seen = 0, False
+        leading_system, first_user_seen, last_tool_result = 0, False, -1
         for i, message in enumerate(messages):
             data = canonical_message(message)
             digest = hashlib.blake2b(digest + data, digest_size=_DIGEST).digest()
             fingerprints.append(digest)
             role = message.get("role")
+            if role == "tool":
+                last_tool_result = i
             if role in ("system", "developer") and leading_system == i:
                 leading_system += 1
             if not first_user_seen:
@@ -158,8 +163,10 @@ class ChatTurn:
         for source, value, prefix in (("prompt_cache_key", prompt_cache_key, "k-"),
                                       ("safety_identifier", safety_identifier, "s-"), ("user", user, "u-")):
             if isinstance(value, str) and value:
-                return cls(tuple(fingerprints), leading_system, _hashed(prefix, value.encode()), source)
-        return cls(tuple(fingerprints), leading_system, _hashed("c-", b"\x1e".join(opening)), "conversation")
+                return cls(tuple(fingerprints), leading_system, _hashed(prefix, value.encode()), source,
+                           last_tool_result)
+        return cls(tuple(fingerprints), leading_system, _hashed("c-", b"\x1e".join(opening)), "conversation",
+                   last_tool_result)
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,7 @@ class _Branch:
     parent: str | None
     in_flight: int = 0
     last_seen: float = 0.0
+    awaiting_tool: bool = False  # its last reply called a tool whose result has not come back
 
 
 @dataclass
@@ -292,14 +300,21 @@ class ChatInference:
             if common > closest_len:
                 closest, closest_len = name, common
         for common, name in extending:
-            if common == longest and session.branches[name].in_flight == 0:
+            branch = session.branches[name]
+            # A branch waiting on its tool goes on only with a tool result: a request without one is
+            # a subagent the tool started (a fork of it).
+            if common == longest and branch.in_flight == 0 and (not branch.awaiting_tool
+                                                                or turn.last_tool_result >= common):
                 longest_free = name
         if longest_free is not None:  # a tool result, the next turn: the same branch goes on
             name, parent, shared, kind = longest_free, session.branches[longest_free].parent, 0, "continued"
         elif (self.infer_edits and closest is not None and closest_len > turn.leading_system
-              and session.branches[closest].in_flight == 0):
+              and session.branches[closest].in_flight == 0
+              and (not session.branches[closest].awaiting_tool or turn.last_tool_result >= closest_len)):
             # Keeps an idle branch's history, then takes it somewhere else: the client rewrote it (a
             # compaction, a retried last turn). The branch goes on; its old suffix is freed at once.
+            # A branch waiting on its tool is rewritten only by a request that brings a tool result
+            # past the shared history; one that does not is a subagent the tool started (a fork).
             name, parent, shared, kind = closest, session.branches[closest].parent, closest_len, "edits"
         elif closest is not None and closest_len > turn.leading_system:
             # Shares real history with a branch that is busy, or takes it somewhere else: a subagent.
@@ -344,13 +359,15 @@ class ChatInference:
         if a.new_session and not session.branches:
             self.sessions.pop(key)
 
-    def done(self, namespace: str, session: str, branch: str, now: float) -> None:
-        """A request of ``branch`` ended (answered, failed or aborted)."""
+    def done(self, namespace: str, session: str, branch: str, now: float, *, called_tool: bool = False) -> None:
+        """A request of ``branch`` ended (answered, failed or aborted); ``called_tool``: its reply
+        called a tool (the branch waits for the result)."""
         state = self.sessions.get((namespace, session))
         found = state.branches.get(branch) if state is not None else None
         if found is not None:
             found.in_flight = max(found.in_flight - 1, 0)
             found.last_seen = now
+            found.awaiting_tool = called_tool
 
     def idle(self, now: float, busy: Iterable[tuple[str, str, str]] = ()) -> list[tuple[str, str, str]]:
         """Forget and return every branch with no request in flight for ``idle_s`` (except those in

@@ -100,6 +100,21 @@ def test_a_divergent_rewrite_of_an_idle_branch_is_its_edit_and_an_unrelated_chat
     assert other.session == a.session and other.parent is None and other.branch not in (a.branch, busy.branch)
 
 
+def test_a_branch_waiting_on_its_tool_is_rewritten_only_by_a_request_bringing_a_tool_result():
+    """The lead called a tool (a Task that starts a subagent): a request that shares its history and
+    diverges without any tool result is the subagent (a fork); one that brings the tool's result past
+    the shared history is the lead itself, rewritten (an edit)."""
+    inf = ChatInference()
+    history = [SYSTEM, user("task"), call("task_agent")]
+    lead, _ = assign(inf, NS, turn(history), 0)
+    inf.done(NS, lead.session, lead.branch, 1, called_tool=True)
+    sub, _ = assign(inf, NS, turn(history[:2] + [user("subtask: read the router")]), 2)
+    assert not sub.edit and sub.parent == lead.branch
+    inf.done(NS, sub.session, sub.branch, 3)
+    rewritten, _ = assign(inf, NS, turn(history[:2] + [user("summary"), call("task_agent"), result("done")]), 4)
+    assert rewritten.edit and rewritten.branch == lead.branch and rewritten.shared_messages == 2
+
+
 def test_with_edits_off_a_divergent_rewrite_is_a_fork_as_first_shipped():
     inf = ChatInference(infer_edits=False)
     a, _ = assign(inf, NS, turn([SYSTEM, user("task"), call("read"), result("big file")]), 0)

@@ -42,17 +42,26 @@ def test_inference_continues_a_branch_forks_busy_subagents_and_closes_idle_branc
     lead, _ = inference.receive(_call("l1", 0.0, [1, 2, 3, 4], tool=ToolCall(tool_class="task", duration_s=5)), 0.0)
     inference.done(lead, 1.0)
     assert lead.hints == "inferred" and lead.parent_branch is None and not lead.close
-    # Two subagents extend the lead's history at once: the first continues its branch, the second forks.
+    # Two subagents extend the lead's history while the lead waits on its tool: neither brings the
+    # tool's result, so both are forks (the lead's branch keeps the lead's own history).
     sub1, _ = inference.receive(_call("a1", 1.1, [1, 2, 3, 4, 5, 6], branch="sa-1", parent="main", fork=64), 1.1)
     sub2, _ = inference.receive(_call("b1", 1.1, [1, 2, 3, 4, 7, 8], branch="sa-2", parent="main", fork=64), 1.1)
-    assert sub1.branch == lead.branch and sub2.parent_branch == lead.branch
+    # sub2 forks from the branch it shares most with: sub1 (the lead's last, partial block carries no
+    # fingerprint, so sub1 shares one block more with sub2 than the lead does).
+    assert sub1.parent_branch == lead.branch and sub2.parent_branch == sub1.branch
+    assert sub1.branch != sub2.branch != lead.branch
     assert sub2.fork_point_tokens == 4 * BLOCK  # the blocks it shares (past the stable prefix)
     for call in (sub1, sub2):
         inference.done(call, 2.0)
+    # The lead's next call brings the tool's result: it continues the lead's branch.
+    back, _ = inference.receive(_call("l2", 3.0, [1, 2, 3, 4, 9, 10]), 3.0)
+    assert back.branch == lead.branch and back.edit_from_tokens is None
+    inference.done(back, 4.0)
     paused = {}
     assert inference.idle(5.0, paused) == []  # not idle long enough
     closed = inference.idle(20.0, paused)
-    assert [b.branch for b in closed] == [sub2.branch, lead.branch]  # the fork before its parent
+    assert [b.branch for b in closed][-1] == lead.branch  # the forks before their parent
+    assert {b.branch for b in closed} == {sub1.branch, sub2.branch, lead.branch}
     assert inference.stats()["sessions"] == 0
 
 
@@ -136,6 +145,18 @@ def test_a_divergence_from_an_idle_branch_is_its_edit_and_from_a_busy_one_a_fork
     as_shipped.done(first, 1.0)
     again, _ = as_shipped.receive(_call("l2", 2.0, [1, 2, 3, 9, 10]), 2.0)
     assert again.parent_branch == first.branch and again.edit_from_tokens is None
+
+
+def test_a_subagent_started_by_its_leads_tool_is_a_fork_and_the_leads_own_rewrite_an_edit():
+    inference = ReplayInference(BLOCK, idle_s=10.0)
+    task = ToolCall(tool_class="task", duration_s=5)
+    lead, _ = inference.receive(_call("l1", 0.0, [1, 2, 3, 4, 5, 6], tool=task), 0.0)
+    inference.done(lead, 1.0)
+    sub, _ = inference.receive(_call("s1", 1.1, [1, 2, 3, 9, 10], branch="sub", parent="main"), 1.1)
+    assert sub.parent_branch == lead.branch and sub.edit_from_tokens is None  # no tool result: a fork
+    inference.done(sub, 2.0)
+    back, _ = inference.receive(_call("l2", 6.0, [1, 2, 3, 11, 12]), 6.0)  # the lead's next call: its result
+    assert back.branch == lead.branch and back.edit_from_tokens == 3 * BLOCK
 
 
 def test_an_inferred_edit_frees_the_old_suffix_and_the_audit_counts_it():

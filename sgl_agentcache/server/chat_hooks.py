@@ -264,7 +264,7 @@ async def _finish(pending: _Pending, called: list[str] | None) -> None:
         logger.warning("agentcache: inferred pause of %s failed", inferred.branch, exc_info=True)
     finally:
         with _lock:
-            state.done(pending.namespace, inferred.session, inferred.branch, time.monotonic())
+            state.done(pending.namespace, inferred.session, inferred.branch, time.monotonic(), called_tool=bool(called))
 
 
 def _response_tool_calls(response) -> list[str] | None:

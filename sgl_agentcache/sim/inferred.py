@@ -16,7 +16,9 @@ would have run (``hints="inferred"``). What carries over, and what it stands for
   the server;
 - a fork's ``fork_point_tokens`` -> the shared blocks' tokens (at least the stable prefix);
 - a tool pause -> the call's tool (the server pauses on a reply carrying tool calls, class = the
-  function's name);
+  function's name); a tool result in the next request -> the trace branch's next call after a call
+  with a tool (the server sees the ``tool`` message; blocks cannot show it, the branch's continuity
+  is what its ``tool_call_id`` says);
 - a context edit -> what the server infers: a call that shares history with an idle branch and then
   diverges edits it (``edit_from_tokens`` = the shared blocks' tokens), whether or not the trace marks
   an edit there;
@@ -27,6 +29,7 @@ would have run (``hints="inferred"``). What carries over, and what it stands for
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import msgspec
@@ -61,6 +64,7 @@ class ReplayInference:
         self.state = ChatInference(idle_s=idle_s, name_key=b"replay",  # names: deterministic run to run
                                    infer_edits=infer_edits)
         self.max_retention_s = max_retention_s
+        self.called_tool: dict[tuple, bool] = {}  # trace branch -> whether its last call ran a tool
 
     @property
     def idle_s(self) -> float:
@@ -70,7 +74,12 @@ class ReplayInference:
         """The call as the server would run it (inferred session, branch, parent, fork point and
         edit; no close), and the branches the inference's bounds forgot (to close)."""
         namespace = namespace_key(request.tenant, None)
-        inferred, assignment = self.state.assign(namespace, block_turn(request, self.block_tokens), now)
+        turn = block_turn(request, self.block_tokens)
+        trace_branch = (request.tenant, request.session, request.branch)
+        if self.called_tool.get(trace_branch):  # it carries its branch's tool result, at its end
+            turn = dataclasses.replace(turn, last_tool_result=len(turn.fingerprints))
+        self.called_tool[trace_branch] = request.tool is not None
+        inferred, assignment = self.state.assign(namespace, turn, now)
         forgotten = self.state.commit(assignment)  # a replayed call is never refused at the front door
         fork_point = edit_from = None
         shared = min(inferred.shared_messages * self.block_tokens, request.input_tokens)
@@ -85,7 +94,8 @@ class ReplayInference:
 
     def done(self, request: Request, now: float) -> None:
         """A call received through :meth:`receive` ended."""
-        self.state.done(namespace_key(request.tenant, None), request.session, request.branch, now)
+        self.state.done(namespace_key(request.tenant, None), request.session, request.branch, now,
+                        called_tool=request.tool is not None)
 
     def forget(self, branch: BranchKey) -> None:
         """``branch`` was closed by other means (attribution: the trace's own close)."""
