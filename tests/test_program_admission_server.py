@@ -66,10 +66,25 @@ class Sender:
         self.lock = threading.Lock()
         self.queued = 0  # requests sent after the blocker
 
-    def _waiting(self) -> int:
+    def _stats(self) -> dict:
         status, stats = self.server.request("GET", "/agentcache/stats")
         assert status == 200, stats
-        return sum(q["waiting"] for q in stats["queue_by_priority"].values())
+        return stats
+
+    def _waiting(self) -> int:
+        return sum(q["waiting"] for q in self._stats()["queue_by_priority"].values())
+
+    def _wait_until(self, predicate, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not predicate():
+            if self.finished:
+                # The blocker ended before the queue formed (a machine too fast for a 1024-token
+                # context): the order is then not under test here (tests/test_admission_order.py and
+                # the offline test below cover it).
+                self.join_all()
+                pytest.skip(f"the blocker ended before {what}")
+            assert time.monotonic() < deadline, f"not {what} within 60 s"
+            time.sleep(0.02)
 
     def send(self, name: str, body: dict) -> None:
         def run():
@@ -81,19 +96,12 @@ class Sender:
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         self.threads.append(thread)
-        if not self.threads[1:]:  # the blocker: let it start running
-            time.sleep(0.3)
+        if not self.threads[1:]:  # the blocker: wait until it runs (a loaded machine may take seconds)
+            self._wait_until(lambda: self._stats()["running_requests"] >= 1 and self._waiting() == 0,
+                             "it was seen running")
             return
         self.queued += 1
-        deadline = time.monotonic() + 10
-        while self._waiting() != self.queued:
-            if self.finished or time.monotonic() > deadline:
-                # The blocker ended before the queue formed (a machine too fast for a 1024-token
-                # context): the order is then not under test here (tests/test_admission_order.py and
-                # the offline test below cover it).
-                self.join_all()
-                pytest.skip("the blocker ended before the queue formed")
-            time.sleep(0.02)
+        self._wait_until(lambda: self._waiting() == self.queued, "the queue formed")
 
     def join_all(self) -> None:
         for thread in self.threads:

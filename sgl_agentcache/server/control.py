@@ -73,7 +73,7 @@ def _scheduler_idle(scheduler) -> bool:
 @op("stats")
 def _stats(scheduler, args: dict) -> dict:
     """Everything (operators, no tenancy), or one namespace's own view (``namespace``: a tenant's)."""
-    from sgl_agentcache.server.metrics import paused_tokens_by_priority, queue_by_priority
+    from sgl_agentcache.server.metrics import paused_tokens_by_priority, queue_by_priority, running_requests
 
     cache = _agent_cache(scheduler)
     cache.pauses.land_copies()  # what the next step would do anyway: stats never show a copy half-landed
@@ -81,6 +81,7 @@ def _stats(scheduler, args: dict) -> dict:
         return cache.namespace_stats(args["namespace"])
     by_priority = {f"{cls}/{placement}": n for (cls, placement), n in paused_tokens_by_priority(cache.pauses).items()}
     return cache.agent_stats() | {"queue_by_priority": queue_by_priority(scheduler),
+                                  "running_requests": running_requests(scheduler),
                                   "paused_tokens_by_priority": by_priority}
 
 

@@ -59,6 +59,20 @@ def queue_by_priority(scheduler, now: float | None = None) -> dict[str, dict]:
     return out
 
 
+def running_requests(scheduler) -> int:
+    """Requests the scheduler admitted that have not finished: the decode batch's, and those of a
+    prefill batch not merged into it yet (between steps, a request just prefilled sits in
+    ``last_batch``). Observability (and tests that wait for a request to start running)."""
+    batches = [getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None)]
+    seen = set()
+    for batch in batches:
+        for req in getattr(batch, "reqs", None) or ():
+            finished = getattr(req, "finished", None)
+            if not (callable(finished) and finished()):
+                seen.add(id(req))
+    return len(seen)
+
+
 def paused_tokens_by_priority(pauses) -> dict[tuple[str, str], int]:
     """Tokens of paused branches per (priority class, placement): where the eviction pressure lands."""
     out: dict[tuple[str, str], int] = {}
