@@ -13,7 +13,6 @@ seed (five seeds: intervals over seeds).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,21 +22,17 @@ from pathlib import Path
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sgl_agentcache.policy.profiles import resolve_profile  # noqa: E402
+from sgl_agentcache.sim.sessions import bench_arguments, quick_sample  # noqa: E402
 from sgl_agentcache.sim.admission_study import (  # noqa: E402
     REFERENCES, AdmissionStudyConfig, FloodConfig, run_flood, run_study)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two groups of small sessions")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    args = ap.parse_args(argv)
+    args = bench_arguments(__doc__, argv, "two groups of small sessions", Path(__file__).parent / "results")
     config = AdmissionStudyConfig(workers=args.workers)
     flood = FloodConfig(workers=args.workers)
     if args.quick:
-        small = ("trace_0019", "trace_0021", "trace_0074", "trace_0094", "trace_0209", "trace_0233")
-        config = replace(config, files=small, group_size=3)
+        config = quick_sample(config)
         flood = replace(flood, seeds=(0, 1), calm_sessions=2, flood_sessions=12)
     profile = resolve_profile(config.profile)
     progress = lambda what: print(f"[admission] {what}", flush=True)  # noqa: E731

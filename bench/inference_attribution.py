@@ -12,7 +12,6 @@ against the trace's labels, and the extra recompute per kind of reading.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,19 +22,16 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sgl_agentcache.policy.profiles import resolve_profile  # noqa: E402
 from sgl_agentcache.sim.attribution_study import FLAGS, AttributionConfig, run_study  # noqa: E402
+from sgl_agentcache.sim.sessions import bench_arguments, quick_sample  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two groups of small sessions, host 1x only")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    args = ap.parse_args(argv)
+    args = bench_arguments(__doc__, argv, "two groups of small sessions, host 1x only",
+                           Path(__file__).parent / "results")
     config = AttributionConfig()
     sessions = replace(config.sessions, workers=args.workers)
     if args.quick:
-        small = ("trace_0019", "trace_0021", "trace_0074", "trace_0094", "trace_0209", "trace_0233")
-        sessions = replace(sessions, files=small, group_size=3, hosts=(1.0,))
+        sessions = replace(quick_sample(sessions), hosts=(1.0,))
     config = replace(config, sessions=sessions)
     profile = resolve_profile(sessions.profile)
     report = run_study(config, profile, progress=lambda what: print(f"[attribution] {what}", flush=True))

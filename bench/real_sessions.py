@@ -11,7 +11,6 @@ mean of per-session ratios with a t interval over sessions and a group-bootstrap
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,21 +20,18 @@ from pathlib import Path
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sgl_agentcache.policy.profiles import resolve_profile  # noqa: E402
-from sgl_agentcache.sim.sessions import OURS, SessionStudyConfig, analyse, run_study  # noqa: E402
+from sgl_agentcache.sim.sessions import (OURS, SessionStudyConfig, analyse, bench_arguments, quick_sample,  # noqa: E402
+                                         run_study)
 
 INFERRED = "agentcache-inferred"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two groups of small sessions, host 1x only")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    args = ap.parse_args(argv)
+    args = bench_arguments(__doc__, argv, "two groups of small sessions, host 1x only",
+                           Path(__file__).parent / "results")
     config = SessionStudyConfig(workers=args.workers)
     if args.quick:
-        small = ("trace_0019", "trace_0021", "trace_0074", "trace_0094", "trace_0209", "trace_0233")
-        config = replace(config, files=small, group_size=3, hosts=(1.0,))
+        config = replace(quick_sample(config), hosts=(1.0,))
     profile = resolve_profile(config.profile)
     report = run_study(config, profile, progress=lambda what: print(f"[real_sessions] {what}", flush=True))
     report["comparisons_inferred"] = [c for c in analyse(report["rows"], INFERRED) if c["other"] in ("hicache", OURS)]

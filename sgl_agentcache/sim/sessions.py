@@ -23,11 +23,12 @@ bootstrap that resamples whole groups, and a verdict claims "better" or "worse" 
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from sgl_agentcache.policy.profiles import Profile
@@ -50,6 +51,8 @@ OURS = "agentcache"
 #: Per-session figures compared (lower is better for each).
 METRICS = ("recomputed_tokens", "resume_ttft_p50_s", "resume_ttft_p99_s", "own_wait_total_s", "jct_s")
 BOOTSTRAP_DRAWS = 2000
+#: Six small sessions, in groups of three: every session benchmark's ``--quick`` smoke sample.
+QUICK_FILES = ("trace_0019", "trace_0021", "trace_0074", "trace_0094", "trace_0209", "trace_0233")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,21 @@ class SessionStudyConfig:
     token_scale: int = TOKEN_SCALE
     profile: str = "seed"
     workers: int = 2
+
+
+def quick_sample(config):
+    """``config`` (any study config with ``files`` and ``group_size``) on :data:`QUICK_FILES` only."""
+    return replace(config, files=QUICK_FILES, group_size=3)
+
+
+def bench_arguments(doc: str, argv: list[str] | None, quick_help: str, out: Path) -> argparse.Namespace:
+    """The command line every session benchmark takes: ``--quick`` (``quick_help`` says what it
+    runs), ``--out`` (default ``out``), ``--workers``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", default=str(out), help="directory for the JSON")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    return ap.parse_args(argv)
 
 
 def groups(files: tuple[str, ...], size: int) -> list[tuple[str, ...]]:
@@ -210,5 +228,6 @@ def run_study(config: SessionStudyConfig, profile: Profile, progress=None) -> di
             "wall_s": time.perf_counter() - started, "environment": _environment()}
 
 
-__all__ = ["DUPLICATES", "GROUP_SIZE", "METRICS", "SESSION_FILES", "SessionStudyConfig", "analyse", "collect_rows",
+__all__ = ["DUPLICATES", "GROUP_SIZE", "METRICS", "QUICK_FILES", "SESSION_FILES", "SessionStudyConfig", "analyse",
+           "bench_arguments", "quick_sample", "collect_rows",
            "group_trace", "groups", "run_group", "run_study", "session_rows"]
