@@ -235,7 +235,8 @@ def _session_spread(body: dict, policy: str = "agentcache", other: str = "hicach
 #: The attribution study's steps, as the table names them.
 _STEP_LABELS = {"agentcache-inferred-v1": "as first shipped (idle close frees, edit = fork)",
                 "agentcache-inferred-no-edits": "+ idle close keeps the KV cached",
-                "agentcache-inferred": "+ edits inferred (shipped)",
+                "agentcache-inferred-fixed-bounds": "+ edits inferred",
+                "agentcache-inferred": "+ idle and tool bounds learned (shipped)",
                 "agentcache-inferred+closes": "+ the trace's subagent closes (explicit only)"}
 _FLAG_LABELS = {"return_after_close": "back after an idle close", "trace_edit": "edit (trace-labelled)",
                 "edit_not_in_trace": "edit inferred, not in trace", "subagent_start": "subagent's first call",

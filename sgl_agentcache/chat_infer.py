@@ -27,11 +27,15 @@ unrelated chats): a new branch without a parent.
 Branch names are never reused within a process (``m`` / ``f`` and a keyed hash of a counter), so a
 branch closed when idle never receives tokens again; they reveal nothing of other tenants' chats.
 
-Idle: a branch with no request in flight for ``idle_s`` is closed, after the branches forked from it
-(a parent's history stays while a fork may still use it). The close is a guess, so the caller keeps
-the branch's KV as untagged cache rather than freeing it (a human back from a long pause still finds
-what stock caching would have kept). The caller never closes a branch paused on a tool (its deadline
-governs it); the pause's end makes it idle-countable again.
+Idle: a branch with no request in flight for its idle bound is closed, after the branches forked
+from it (a parent's history stays while a fork may still use it). The close is a guess, so the caller
+keeps the branch's KV as untagged cache rather than freeing it (a human back from a long pause still
+finds what stock caching would have kept). The bounds are learned per namespace from the gaps its
+branches waited before coming back (:mod:`sgl_agentcache.policy.gap_bounds`), apart for a branch
+waiting on its tool's result and one waiting on its user: the idle bound is ``idle_s`` until learned
+and never more; a branch waiting on its tool is left to the caller's pause (its deadline, the
+server's maximum retention) until a tool bound is learned, and closed past that bound even while
+paused -- its conversation went on elsewhere (a rewrite from the first user message) or was dropped.
 
 Bounded per namespace and in all (sessions, message fingerprints; branches per session); past a bound
 the least recently used idle session (or branch) *of the namespace over its share* is forgotten and
@@ -49,14 +53,17 @@ import json
 import os
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from sgl_agentcache.namespaced_lru import NamespacedLRU
+from sgl_agentcache.policy.gap_bounds import MIN_GAPS, WINDOW, GapBounds
 
 #: "chat": infer hints for OpenAI chat requests that carry none; anything else (default ""): off.
 INFER_ENV = "AGENTCACHE_INFER"
 #: Seconds a branch may sit with no request in flight before it is closed (default 300).
 IDLE_ENV = "AGENTCACHE_INFER_IDLE_S"
+#: Gaps a namespace must show before its wait bounds are learned (default 16; 0: fixed bounds only).
+LEARN_AFTER_ENV = "AGENTCACHE_INFER_LEARN_AFTER"
 
 _DIGEST = 16  # bytes per fingerprint (BLAKE2b): collisions are out of reach for a conversation's life
 
@@ -78,6 +85,18 @@ def idle_seconds() -> float:
     if not seconds > 0:
         raise ValueError(f"{IDLE_ENV} must be > 0 seconds, got {value!r}")
     return seconds
+
+
+def learn_after_gaps() -> int:
+    """``AGENTCACHE_INFER_LEARN_AFTER`` (0: never learn); a bad value stops start-up."""
+    value = os.environ.get(LEARN_AFTER_ENV, str(MIN_GAPS))
+    try:
+        gaps = int(value)
+    except ValueError:
+        raise ValueError(f"{LEARN_AFTER_ENV}={value!r} is not a whole number of gaps") from None
+    if not 0 <= gaps <= WINDOW:
+        raise ValueError(f"{LEARN_AFTER_ENV} must be within 0..{WINDOW} (0: fixed bounds), got {value!r}")
+    return gaps
 
 
 def _text(content: Any) -> str:
@@ -214,6 +233,17 @@ class Assignment:
     recorded: tuple[bytes, ...]  # what this request set them to
     new_session: bool
     kind: str  # "continued", "edits", "forks" or "new_branches" (its counter)
+    gap: tuple[str, float] | None = None  # a branch coming back: ("tool" | "idle", seconds it waited)
+
+
+class Closing(NamedTuple):
+    """A branch :meth:`ChatInference.idle` closed, and why: ``"idle"`` (no request for its idle bound)
+    or ``"tool_bound"`` (waiting on its tool far past its namespace's tool gaps: abandoned)."""
+
+    namespace: str
+    session: str
+    branch: str
+    reason: str = "idle"
 
 
 def _common(a: tuple, b: tuple) -> int:
@@ -247,8 +277,11 @@ class ChatInference:
     def __init__(self, idle_s: float = 300.0, max_sessions: int = 4096, max_branches: int = 32,
                  max_fingerprints: int = 1 << 20, *, max_sessions_per_namespace: int | None = None,
                  max_fingerprints_per_namespace: int | None = None, name_key: bytes | None = None,
-                 infer_edits: bool = True):
+                 infer_edits: bool = True, learn_after: int = MIN_GAPS):
         self.idle_s = idle_s
+        # the gaps this namespace's branches waited before coming back, and the bounds they set
+        # (learn_after: how many gaps it takes; 0: none, the bounds stay fixed)
+        self.learned = GapBounds(max_sessions, learn_after) if learn_after else None
         self.infer_edits = infer_edits
         self.max_branches, self.max_fingerprints = max_branches, max_fingerprints
         self.max_fingerprints_per_namespace = min(max_fingerprints_per_namespace or max(max_fingerprints // 4, 1),
@@ -263,7 +296,7 @@ class ChatInference:
         self._name_key = os.urandom(16) if name_key is None else name_key
         self._next = 0
         self.counters = {"requests": 0, "continued": 0, "edits": 0, "forks": 0, "new_branches": 0, "idle_closes": 0,
-                         "forgotten_branches": 0, "refused": 0}
+                         "tool_bound_closes": 0, "forgotten_branches": 0, "refused": 0}
 
     def _name(self, kind: str) -> str:
         self._next += 1
@@ -323,20 +356,25 @@ class ChatInference:
             name, parent, shared, kind = self._name("m"), None, 0, "new_branches"
         branch = session.branches.get(name)
         previous = None if branch is None else branch.fingerprints
+        gap = None
         if branch is None:
             branch = session.branches[name] = _Branch((), parent)
+        elif branch.in_flight == 0:  # it comes back after a wait: for a tool's result, or for its user
+            gap = ("tool" if branch.awaiting_tool else "idle", max(now - branch.last_seen, 0.0))
         self._set_fingerprints(namespace, branch, fps)
         branch.in_flight += 1
         branch.last_seen = now
         session.branches.move_to_end(name)
         inferred = Inferred(turn.session, name, parent, shared, turn.source, kind == "continued", kind == "edits")
-        return inferred, Assignment(namespace, inferred, previous, fps, new_session, kind)
+        return inferred, Assignment(namespace, inferred, previous, fps, new_session, kind, gap)
 
     def commit(self, assignment: Assignment) -> list[tuple[str, str, str]]:
         """The request was accepted: count it, and enforce the bounds. Returns the branches the bounds
         made this forget, as ``(namespace, session, branch)``, for the caller to close."""
         self.counters["requests"] += 1
         self.counters[assignment.kind] += 1
+        if assignment.gap is not None and self.learned is not None:
+            self.learned.observe(assignment.namespace, *assignment.gap)
         return self._bound((assignment.namespace, assignment.inferred.session))
 
     def rollback(self, assignment: Assignment, now: float) -> None:
@@ -369,23 +407,43 @@ class ChatInference:
             found.last_seen = now
             found.awaiting_tool = called_tool
 
-    def idle(self, now: float, busy: Iterable[tuple[str, str, str]] = ()) -> list[tuple[str, str, str]]:
-        """Forget and return every branch with no request in flight for ``idle_s`` (except those in
-        ``busy``: paused on a tool). Sessions left without branches are dropped."""
+    def bound(self, namespace: str, awaiting_tool: bool) -> float | None:
+        """How long a branch of ``namespace`` may wait before :meth:`idle` closes it: the learned tool
+        bound for one waiting on its tool (None before one is learned: then only the caller's ``busy``
+        and the idle bound apply), else the idle bound (learned, at most ``idle_s``)."""
+        learned = self.learned.bound(namespace, "tool" if awaiting_tool else "idle") if self.learned else None
+        if awaiting_tool:
+            return learned
+        return self.idle_s if learned is None else min(learned, self.idle_s)
+
+    def idle(self, now: float, busy: Iterable[tuple[str, str, str]] = ()) -> list[Closing]:
+        """Forget and return every branch with no request in flight that waited past its bound
+        (:meth:`bound`): one waiting on its tool past its namespace's learned tool bound (reason
+        ``"tool_bound"``: even if in ``busy`` -- the learned bound ends the pause), any other past the
+        idle bound unless in ``busy`` (paused on a tool within the caller's retention; reason ``"idle"``).
+        Parents after their forks. Sessions left without branches are dropped."""
         busy = set(busy)
         closed = []
         for key in list(self.sessions):
             session = self.sessions.get(key)
+            idle_bound, tool_bound = self.bound(key[0], False), self.bound(key[0], True)
             while True:  # children first: a parent stays open while a branch forked from it is tracked
                 parents = {b.parent for b in session.branches.values()}
-                idle = [n for n, b in session.branches.items() if n not in parents and b.in_flight == 0
-                        and now - b.last_seen >= self.idle_s and (*key, n) not in busy]
-                if not idle:
+                due = []
+                for name, branch in session.branches.items():
+                    if name in parents or branch.in_flight:
+                        continue
+                    waited = now - branch.last_seen
+                    if branch.awaiting_tool and tool_bound is not None and waited >= tool_bound:
+                        due.append(Closing(*key, name, "tool_bound"))
+                    elif waited >= idle_bound and (*key, name) not in busy:
+                        due.append(Closing(*key, name, "idle"))
+                if not due:
                     break
-                for name in idle:
-                    self._forget(key, name)
-                    closed.append((*key, name))
-                    self.counters["idle_closes"] += 1
+                for item in due:
+                    self._forget(key, item.branch)
+                    closed.append(item)
+                    self.counters["tool_bound_closes" if item.reason == "tool_bound" else "idle_closes"] += 1
             if not session.branches:
                 self.sessions.pop(key)
         return closed
@@ -405,6 +463,8 @@ class ChatInference:
                 self.sessions.pop((namespace, session))
 
     def forget_namespace(self, namespace: str) -> None:
+        if self.learned is not None:
+            self.learned.forget_namespace(namespace)
         for _, state in self.sessions.pop_namespace(namespace):
             self._uncount(namespace, state)
 
@@ -456,11 +516,12 @@ class ChatInference:
         if namespace is not None:
             sessions = self.sessions.namespace_items(namespace)
             return {"sessions": len(sessions), "branches": sum(len(s.branches) for _, s in sessions),
-                    "fingerprints": self.fingerprints_by_namespace[namespace], "idle_s": self.idle_s}
+                    "fingerprints": self.fingerprints_by_namespace[namespace], "idle_s": self.idle_s,
+                    "idle_bound_s": self.bound(namespace, False), "tool_bound_s": self.bound(namespace, True)}
         return {"sessions": len(self.sessions),
                 "branches": sum(len(s.branches) for _, s in self.sessions.items()),
                 "fingerprints": self.fingerprint_count, "idle_s": self.idle_s, **self.counters}
 
 
-__all__ = ["Assignment", "ChatInference", "ChatTurn", "IDLE_ENV", "INFER_ENV", "Inferred", "canonical_message",
-           "idle_seconds", "infer_mode", "tool_names"]
+__all__ = ["Assignment", "ChatInference", "ChatTurn", "Closing", "IDLE_ENV", "INFER_ENV", "Inferred",
+           "LEARN_AFTER_ENV", "canonical_message", "idle_seconds", "infer_mode", "learn_after_gaps", "tool_names"]

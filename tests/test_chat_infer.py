@@ -35,6 +35,11 @@ def assign(inf, namespace, chat_turn, now):
     return inferred, inf.commit(assignment)
 
 
+def idle(inf, now, busy=()):
+    """The branches the idle sweep closes now, as (namespace, session, branch)."""
+    return [closing[:3] for closing in inf.idle(now=now, busy=busy)]
+
+
 def test_session_identity_prefers_explicit_keys_and_otherwise_hashes_the_opening():
     msgs = [SYSTEM, user("fix the bug")]
     assert turn(msgs, prompt_cache_key="k1").session.startswith("k-")
@@ -137,11 +142,11 @@ def test_idle_branches_close_unless_busy_and_names_are_never_reused():
     a, _ = assign(inf, NS, turn([SYSTEM, user("a")]), now=0)
     b, _ = assign(inf, NS, turn([SYSTEM, user("b")]), now=0)
     inf.done(NS, a.session, a.branch, now=1)
-    assert inf.idle(now=5) == []
-    assert inf.idle(now=11) == [(NS, a.session, a.branch)]  # b is still in flight
+    assert idle(inf, 5) == []
+    assert idle(inf, 11) == [(NS, a.session, a.branch)]  # b is still in flight
     inf.done(NS, b.session, b.branch, now=12)
-    assert inf.idle(now=30, busy=[(NS, b.session, b.branch)]) == []  # paused on a tool
-    assert inf.idle(now=30) == [(NS, b.session, b.branch)]
+    assert idle(inf, 30, busy=[(NS, b.session, b.branch)]) == []  # paused on a tool
+    assert idle(inf, 30) == [(NS, b.session, b.branch)]
     assert not inf.sessions and inf.fingerprint_count == 0
     again, _ = assign(inf, NS, turn([SYSTEM, user("a")]), now=40)
     assert again.branch not in (a.branch, b.branch)  # a closed branch never receives tokens again
@@ -200,9 +205,9 @@ def test_a_parent_closes_only_after_the_branches_forked_from_it():
     fork, _ = assign(inf, NS, turn(history + [user("sub")]), 0)  # the lead is still running: a fork
     assert fork.parent == lead.branch
     inf.done(NS, lead.session, lead.branch, 1)
-    assert inf.idle(now=20) == []  # the fork is in flight: its parent stays
+    assert idle(inf, 20) == []  # the fork is in flight: its parent stays
     inf.done(NS, fork.session, fork.branch, 21)
-    assert inf.idle(now=40) == [(NS, fork.session, fork.branch), (NS, lead.session, lead.branch)]
+    assert idle(inf, 40) == [(NS, fork.session, fork.branch), (NS, lead.session, lead.branch)]
 
 
 def test_a_bad_setting_stops_the_scheduler_at_start_and_the_chat_pins_hold(monkeypatch):

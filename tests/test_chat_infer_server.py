@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 openai = pytest.importorskip("openai")
 
 IDLE_S = 3.0
+LEARN_AFTER = 8  # tool gaps before a namespace's tool bound is learned (default 16: half the calls here)
 # One function: SGLang renders only the named tool's schema when ``tool_choice`` names it, all of
 # them with "auto"; with one, every turn of a conversation renders the same prefix.
 TOOLS = [{"type": "function", "function": {
@@ -46,7 +47,8 @@ def _server(tiny_model, tmp_path_factory, name: str, infer: bool) -> CpuServer:
     env = {"AGENTCACHE_TOOL_PRIORS": json.dumps(PRIORS), "AGENTCACHE_PROFILE": "seed",
            "AGENTCACHE_HOST_TOKENS": "1024", "AGENTCACHE_MAX_RETENTION_S": "90"}
     if infer:
-        env |= {"AGENTCACHE_INFER": "chat", "AGENTCACHE_INFER_IDLE_S": str(IDLE_S)}
+        env |= {"AGENTCACHE_INFER": "chat", "AGENTCACHE_INFER_IDLE_S": str(IDLE_S),
+                "AGENTCACHE_INFER_LEARN_AFTER": str(LEARN_AFTER)}
     return CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=2048, context_length=2048,
                      extra_args=("--enable-cache-report", "--tool-call-parser", "qwen25",
                                  "--constrained-json-disable-any-whitespace"), env=env)
@@ -319,3 +321,39 @@ def test_anthropic_messages_route_is_inferred_too(servers, tiny_model):
     after = chat.stats()["chat_inference"]
     assert after["requests"] - before["requests"] == 2 and after["continued"] - before["continued"] == 1, after
     assert second["usage"].get("cache_read_input_tokens", 0) >= first["usage"]["input_tokens"] // 2, second["usage"]
+
+
+def test_a_conversation_abandoned_on_its_tool_closes_at_the_learned_tool_bound(servers, tiny_model):
+    """Claude Code rewrites a conversation from its first user message: the old branch stays paused on
+    its tool and the result never comes. Once its namespace has seen LEARN_AFTER tool results come
+    back (within milliseconds here), such a branch is closed at the learned bound (the floor, 2 s), not
+    at the 90 s retention; the close keeps its KV cached. Its own namespace (``extra_key``), so the
+    other tests' pauses keep the fixed rule."""
+    from sgl_agentcache.policy.gap_bounds import FLOOR_S
+
+    on, _ = servers
+    chat = Chat(on, tiny_model)
+    ns = {"extra_body": {"extra_key": "learns-its-tools"}}
+    messages = [SYSTEM, _user("fix the failing build, one step at a time")]
+    for _ in range(LEARN_AFTER):
+        reply, call_id, _ = chat.call_tool(messages, **ns)
+        messages += [reply, _result(call_id, "ok")]
+    before = chat.stats()
+    chat.answer(messages, tools=False, **ns)  # brings the last result: the namespace's LEARN_AFTER-th tool gap
+    learned = chat.stats()["chat_inference"]
+    assert learned["continued"] - before["chat_inference"]["continued"] == 1, learned
+    before = chat.stats()
+    chat.call_tool([SYSTEM, _user("start over: the build is green, now update the docs")], **ns)
+    paused = chat.stats()
+    assert paused["coordinator"]["active_pauses"] == before["coordinator"]["active_pauses"] + 1
+    started = time.monotonic()
+    assert _wait(lambda: chat.stats()["chat_inference"]["tool_bound_closes"] ==
+                 before["chat_inference"]["tool_bound_closes"] + 1, timeout=30), chat.stats()["chat_inference"]
+    assert FLOOR_S - 0.5 <= time.monotonic() - started < 20  # the learned bound, not the 90 s retention
+    after = chat.stats()
+    assert after["coordinator"]["active_pauses"] == before["coordinator"]["active_pauses"]
+    assert after["coordinator"]["deadline_expiries"] == before["coordinator"]["deadline_expiries"]
+    assert after["kept_on_close_tokens"] > before["kept_on_close_tokens"]
+    assert after["freed_on_close_tokens"] == before["freed_on_close_tokens"]
+    status, check = on.request("GET", "/agentcache/check")
+    assert status == 200 and check["ok"], check

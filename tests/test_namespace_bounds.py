@@ -208,6 +208,18 @@ def _program_ledger():  # program-aware admission's memory of programs and branc
     assert ledger.programs.namespace_size(A) <= 4 and ledger.path.namespace_size(A) <= 4
 
 
+def _gap_bounds():  # chat inference's learned wait bounds, per namespace
+    from sgl_agentcache.policy.gap_bounds import GapBounds
+
+    bounds = GapBounds(limit=2)
+    bounds.observe(B, "tool", 1.0)
+    for _ in range(FLOOD):
+        bounds.observe(A, "tool", 1.0)
+        bounds.observe(A, "idle", 1.0)
+    assert bounds.seen(B, "tool") == 1 and bounds.seen(A, "idle") <= 256
+    assert bounds._windows.namespace_size(A) <= 2
+
+
 #: Structure (file:attribute) -> the check that floods one namespace and finds another untouched.
 RULED = {
     "lifecycle.py:_branches": _recent_branches,  # cache.closed and cache.seen (RecentBranches)
@@ -219,6 +231,7 @@ RULED = {
     "policy/join.py:running": _subagents,
     "policy/latency.py:_models": _latency_book,
     "chat_infer.py:sessions": _chat_sessions,
+    "policy/gap_bounds.py:_windows": _gap_bounds,
     "chat_infer.py:fingerprints_by_namespace": _chat_sessions,
     "server/chat_hooks.py:_stable_cache": _stable_cache,
     "server/coordinator.py:active": _coordinator,
@@ -259,6 +272,7 @@ EXEMPT = {
     "soak.py:counts": "the soak driver's own client-side tally",
     "trace/stats.py:events": "a trace file's summary, computed offline",
     "chat_infer.py:Counter": "fingerprints_by_namespace (ruled above)",
+    "policy/gap_bounds.py:gaps": "one namespace's window of its own gaps, WINDOW at most (the windows: ruled above)",
     "policy/admission_order.py:recent": "admission's window of recent service, shared by every tenant on purpose: "
                                         "it measures each tenant's share of the server's work, and a flood fills it "
                                         "with the flooder's own charges (what holds the flooder back)",

@@ -195,3 +195,23 @@ def test_the_attribution_policy_applies_the_traces_own_closes_to_inferred_branch
     plain = _Run(trace, POLICIES["agentcache-inferred"], 4096, 0, SEED, VOCAB, 8, None, False).run()
     assert closes.reclaimed_tokens > 0 and plain.reclaimed_tokens == 0  # freed at the trace's close
     assert closes.integrity_ok and closes.leaked_tokens == 0
+
+
+def test_a_branch_abandoned_on_its_tool_is_closed_at_the_learned_bound_not_the_retention():
+    """A conversation rewritten from its first user message leaves its old branch waiting on a tool
+    whose result never comes. Once the namespace has seen MIN_GAPS tool results, the replay closes it
+    at the learned tool bound, as the server's sweeper does; with fixed bounds it is still held
+    (paused within the maximum retention) when the trace ends."""
+    from sgl_agentcache.policy.gap_bounds import MIN_GAPS
+
+    grep = ToolCall(tool_class="grep", duration_s=1.0)
+    loop = [_call(f"c{i}", 3.0 * i, range(1, 5 + 2 * i), tool=grep) for i in range(MIN_GAPS + 1)]
+    loop.append(_call("end", 3.0 * (MIN_GAPS + 1), range(1, 7 + 2 * MIN_GAPS)))
+    abandoned = _call("x0", 200.0, [1, 2, 900, 901, 902], session="s2", tool=grep)
+    trace = Trace(header=TraceHeader(block_tokens=BLOCK), records=[*loop, abandoned])
+    learned = _Run(trace, POLICIES["agentcache-inferred"], 4096, 0, SEED, VOCAB, 8, None, False).run()
+    fixed = _Run(trace, POLICIES["agentcache-inferred-fixed-bounds"], 4096, 0, SEED, VOCAB, 8, None, False).run()
+    assert learned.inference["tool_bound_closes"] == 1 and fixed.inference["tool_bound_closes"] == 0
+    assert fixed.inference["idle_closes"] == learned.inference["idle_closes"]  # the loop's own branch
+    for result in (learned, fixed):
+        assert result.requests == len(trace.records) and result.integrity_ok and result.leaked_tokens == 0

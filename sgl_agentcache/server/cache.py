@@ -1137,13 +1137,14 @@ def agentcache_factory(ctx):
 def _check_chat_inference_settings() -> None:
     """A bad ``AGENTCACHE_INFER*`` setting or changed chat internals stop start-up here: the HTTP
     process's plugin hook that reads them can only log (SGLang logs plugin errors and goes on)."""
-    from sgl_agentcache.chat_infer import idle_seconds, infer_mode
+    from sgl_agentcache.chat_infer import idle_seconds, infer_mode, learn_after_gaps
     from sgl_agentcache.server.pins import check_pinned_internals
 
     if infer_mode() == "chat":
         from sgl_agentcache.server.chat_hooks import CHAT_PINS
 
         idle_seconds()
+        learn_after_gaps()
         check_pinned_internals(CHAT_PINS)
 
 

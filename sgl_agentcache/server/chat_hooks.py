@@ -14,10 +14,11 @@ The rules live in :mod:`sgl_agentcache.chat_infer`; this module is the SGLang co
   the branch pauses on the called function (several: the one whose learned latency
   is longest) before the response (or the stream's ``[DONE]``) goes out; the branch's next request
   resumes it, as with an explicit hint. The request is then done for the idle clock.
-- A sweeper closes branches idle past ``AGENTCACHE_INFER_IDLE_S`` (never one paused on a tool: its
-  deadline governs it). Such a close is a guess, so it keeps the branch's KV as untagged cache
-  (``close_branch(keep_cached=True)``): a conversation back from a long human pause still finds what
-  stock caching would have kept.
+- A sweeper closes branches idle past their namespace's learned idle bound (at most
+  ``AGENTCACHE_INFER_IDLE_S``), and branches paused on a tool past its learned tool bound (before
+  one is learned, a pause's deadline governs it). Such a close is a guess, so it keeps the branch's
+  KV as untagged cache (``close_branch(keep_cached=True)``): a conversation back from a long human
+  pause still finds what stock caching would have kept.
 
 With tenancy an inferred session lives in the caller's namespace and needs no session credential: the
 server made it, and the namespace alone keeps tenants apart. Pinned SGLang internals:
@@ -37,10 +38,12 @@ import uuid
 import weakref
 from dataclasses import dataclass
 
-from sgl_agentcache.chat_infer import Assignment, ChatInference, ChatTurn, Inferred, idle_seconds, infer_mode
+from sgl_agentcache.chat_infer import (Assignment, ChatInference, ChatTurn, Inferred, idle_seconds, infer_mode,
+                                      learn_after_gaps)
 from sgl_agentcache.hints import ID_REGEX, lifecycle_envelope
 from sgl_agentcache.lifecycle import namespace_key
 from sgl_agentcache.namespaced_lru import NamespacedLRU
+from sgl_agentcache.policy.gap_bounds import FLOOR_S
 from sgl_agentcache.server.pins import Pin, check_pinned_internals
 
 logger = logging.getLogger(__name__)
@@ -328,11 +331,14 @@ def _around_stream_hook(original, serving, adapted, request, raw_request=None, *
 
 
 async def _close(namespace: str, session: str, branch: str, reason: str) -> None:
+    """Close an inferred branch, keeping its KV as untagged cache. ``reason``: ``"idle"`` (not if it
+    was paused on a tool meanwhile), ``"tool_bound"`` (paused on its tool far past the namespace's
+    learned tool gaps: the pause ends with it) or ``"bounds"`` (inference's memory bounds)."""
     from sgl_agentcache.server.http import _send, coordinator
 
     await coordinator.settle([(namespace, session, branch)])
-    if (namespace, session, branch) in coordinator.on_tools():  # paused on a tool meanwhile: not idle after all
-        return
+    if reason == "idle" and (namespace, session, branch) in coordinator.on_tools():
+        return  # paused on a tool meanwhile: not idle after all
     # A guess, not the client's word: the branch ends, its KV stays as untagged cache (keep_cached).
     status, result = await _send("branch_close", {"namespace": namespace, "session": session, "branch": branch,
                                                   "keep_cached": True})
@@ -345,7 +351,9 @@ async def _close(namespace: str, session: str, branch: str, reason: str) -> None
 async def _sweep_forever() -> None:
     from sgl_agentcache.server.http import coordinator
 
-    period = min(max(state.idle_s / 4, 0.05), 30.0)
+    # Learned bounds are never under FLOOR_S: sweeping at a quarter of the shortest possible bound
+    # closes a branch within 25% of its bound.
+    period = min(max(min(state.idle_s, FLOOR_S) / 4, 0.05), 30.0)
     while True:
         await asyncio.sleep(period)
         try:
@@ -355,7 +363,7 @@ async def _sweep_forever() -> None:
             for item in bounded:
                 await _close(*item, reason="bounds")
             for item in closing:
-                await _close(*item, reason="idle")
+                await _close(item.namespace, item.session, item.branch, reason=item.reason)
         except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
             logger.warning("agentcache: idle sweep failed", exc_info=True)
 
@@ -374,8 +382,12 @@ def forget_namespace(namespace: str) -> None:
             state.forget_namespace(namespace)
 
 
-def stats() -> dict:
-    return {"mode": "chat" if state is not None else "off"} | (state.stats() if state is not None else {})
+def stats(namespace: str | None = None) -> dict:
+    """Everything (operators), or one namespace's own state and learned bounds (a tenant)."""
+    if state is None:
+        return {"mode": "off"}
+    with _lock:
+        return {"mode": "chat"} | state.stats(namespace)
 
 
 def install() -> None:
@@ -387,7 +399,7 @@ def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     check_pinned_internals(CHAT_PINS)
-    state = ChatInference(idle_s=idle_seconds())
+    state = ChatInference(idle_s=idle_seconds(), learn_after=learn_after_gaps())
     HookRegistry.register(f"{_CHAT}._handle_non_streaming_request", _around_non_streaming, HookType.AROUND)
     HookRegistry.register(f"{_CHAT}._generate_chat_stream", _around_stream_hook, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

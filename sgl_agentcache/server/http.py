@@ -105,7 +105,7 @@ async def stats(request: Request) -> JSONResponse:
         await coordinator.settle(namespace=namespace)
         return await _forward("stats", {"namespace": namespace}, extra={
             "tenant": identity.tenant, "ceilings": msgspec.to_builtins(auth.ceilings_for(identity)),
-            "coordinator": coordinator.stats(namespace)})
+            "coordinator": coordinator.stats(namespace), "chat_inference": chat_hooks.stats(namespace)})
     await coordinator.settle()
     extra = {"backend": BACKEND_NAME, "version": __version__, "coordinator": coordinator.stats(),
              "chat_inference": chat_hooks.stats(), "control_channel": channel.stats()}

@@ -2,14 +2,17 @@
 item 1).
 
 Same sample, groups, pool and host sizes as the real-session study (:mod:`sgl_agentcache.sim.sessions`).
-Each group runs ours with the trace's explicit hints and four inferred variants, one decision at a time
+Each group runs ours with the trace's explicit hints and five inferred variants, one decision at a time
 (:data:`STEPS`, each adds one thing to the one before):
 
 1. ``agentcache-inferred-v1`` -- inference as it first shipped: an idle close frees the branch, an
-   edited prompt is a fork of the old branch;
+   edited prompt is a fork of the old branch, a fixed 300 s idle time;
 2. ``agentcache-inferred-no-edits`` -- an idle close keeps the KV as untagged cache;
-3. ``agentcache-inferred`` -- and a divergence from an idle branch is its edit (the old suffix freed);
-4. ``agentcache-inferred+closes`` -- and the trace's own closes of subagents (what an explicit hint
+3. ``agentcache-inferred-fixed-bounds`` -- and a divergence from an idle branch is its edit (the old
+   suffix freed);
+4. ``agentcache-inferred`` -- and the idle and tool-wait bounds learned per namespace from the gaps
+   seen (:mod:`sgl_agentcache.policy.gap_bounds`);
+5. ``agentcache-inferred+closes`` -- and the trace's own closes of subagents (what an explicit hint
    says; not something inference has), to size what a subagent-completion rule could still win.
 
 Every variant's per-session recompute is compared with explicit hints (mean of per-session ratios, t
@@ -35,7 +38,8 @@ from sgl_agentcache.sim.sessions import (DUPLICATES, SessionStudyConfig, analyse
 from sgl_agentcache.sim.suite import REPLAY_VOCAB, _environment, pool_for, scaled_profile
 
 EXPLICIT = "agentcache"
-STEPS = ("agentcache-inferred-v1", "agentcache-inferred-no-edits", "agentcache-inferred", "agentcache-inferred+closes")
+STEPS = ("agentcache-inferred-v1", "agentcache-inferred-no-edits", "agentcache-inferred-fixed-bounds",
+         "agentcache-inferred", "agentcache-inferred+closes")
 #: Call flags, in report order ("" = the reading agrees with the trace's labels).
 FLAGS = ("return_after_close", "trace_edit", "edit_not_in_trace", "subagent_start", "branch_change", "")
 

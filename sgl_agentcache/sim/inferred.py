@@ -22,9 +22,10 @@ would have run (``hints="inferred"``). What carries over, and what it stands for
 - a context edit -> what the server infers: a call that shares history with an idle branch and then
   diverges edits it (``edit_from_tokens`` = the shared blocks' tokens), whether or not the trace marks
   an edit there;
-- closes -> none: a client sends no close. Branches close after ``idle_s`` without a call in flight,
-  except while paused on a tool within the server's maximum retention; the replay closes them as the
-  server's sweeper does (``keep_cached``: their KV stays as untagged cache).
+- closes -> none: a client sends no close. Branches close after their idle bound without a call in
+  flight, except while paused on a tool within the server's maximum retention or, once learned, the
+  namespace's tool bound (``learn_bounds``: both bounds learned from the gaps seen, as on the server);
+  the replay closes them as the server's sweeper does (``keep_cached``: their KV stays untagged cache).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import msgspec
 
 from sgl_agentcache.chat_infer import ChatInference, ChatTurn
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
+from sgl_agentcache.policy.gap_bounds import MIN_GAPS
 from sgl_agentcache.trace.schema import Request
 
 #: The server's defaults: ``AGENTCACHE_INFER_IDLE_S`` and ``AGENTCACHE_MAX_RETENTION_S``.
@@ -59,16 +61,17 @@ class ReplayInference:
     """The server's inference state for one replay; every method takes the replay's clock."""
 
     def __init__(self, block_tokens: int, idle_s: float = IDLE_S, max_retention_s: float = MAX_RETENTION_S,
-                 infer_edits: bool = True):
+                 infer_edits: bool = True, learn_bounds: bool = True):
         self.block_tokens = block_tokens
         self.state = ChatInference(idle_s=idle_s, name_key=b"replay",  # names: deterministic run to run
-                                   infer_edits=infer_edits)
+                                   infer_edits=infer_edits, learn_after=MIN_GAPS if learn_bounds else 0)
         self.max_retention_s = max_retention_s
         self.called_tool: dict[tuple, bool] = {}  # trace branch -> whether its last call ran a tool
 
-    @property
-    def idle_s(self) -> float:
-        return self.state.idle_s
+    def next_sweep_after(self, request: Request) -> float:
+        """Seconds after ``request`` is answered that the server's sweep would first find its branch due."""
+        bound = self.state.bound(namespace_key(request.tenant, None), request.tool is not None)
+        return self.state.idle_s if bound is None else bound
 
     def receive(self, request: Request, now: float) -> tuple[Request, list[BranchKey]]:
         """The call as the server would run it (inferred session, branch, parent, fork point and
@@ -103,10 +106,10 @@ class ReplayInference:
 
     def idle(self, now: float, paused: dict[BranchKey, float]) -> list[BranchKey]:
         """Branches the idle sweep closes now; ``paused``: branch -> when its tool pause began (a pause
-        holds a branch open until the server's maximum retention)."""
+        holds a branch open until the server's maximum retention, or the learned tool bound)."""
         busy = [(b.namespace, b.session, b.branch) for b, since in paused.items()
                 if now - since < self.max_retention_s]
-        return [BranchKey(*item) for item in self.state.idle(now, busy)]
+        return [BranchKey(*item[:3]) for item in self.state.idle(now, busy)]
 
     def stats(self) -> dict:
         return self.state.stats()

@@ -134,6 +134,7 @@ class ReplayPolicy:
     infer_edits: bool = True  # inferred: a divergence from an idle branch is its edit (else a fork)
     infer_keep_on_close: bool = True  # inferred: an idle close keeps the KV as untagged cache (else frees)
     infer_trace_closes: bool = False  # inferred + the trace's own closes (attribution only)
+    infer_learn_bounds: bool = True  # inferred: idle and tool-wait bounds learned per namespace (else fixed)
 
     @property
     def reference(self) -> bool:
@@ -255,9 +256,12 @@ POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
                  hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True),
     ReplayPolicy("agentcache-inferred-v1", "ours, inferred as first shipped (idle closes free; edits are forks)",
                  hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_edits=False,
-                 infer_keep_on_close=False),
-    ReplayPolicy("agentcache-inferred-no-edits", "ours, inferred, edits read as forks (attribution)",
-                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_edits=False),
+                 infer_keep_on_close=False, infer_learn_bounds=False),
+    ReplayPolicy("agentcache-inferred-no-edits", "ours, inferred, edits read as forks, fixed bounds (attribution)",
+                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_edits=False,
+                 infer_learn_bounds=False),
+    ReplayPolicy("agentcache-inferred-fixed-bounds", "ours, inferred, fixed idle and tool bounds (attribution)",
+                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_learn_bounds=False),
     ReplayPolicy("agentcache-inferred+closes", "ours, inferred, plus the trace's own branch closes (attribution)",
                  hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_trace_closes=True),
     ReplayPolicy("clairvoyant", "clairvoyant heuristic (Belady + exact prefetch; reads the future, not a bound)",

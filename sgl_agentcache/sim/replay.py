@@ -344,7 +344,8 @@ class _Run:
         # Ours, inferred: the server's chat inference names each call's branch when it is received
         # (sim/inferred.py); causality (a branch's next call waits for its previous one) stays on the
         # trace's own branches, whose names the rewritten calls keep here, by request id.
-        self.inference = (ReplayInference(trace.header.block_tokens, infer_edits=policy.infer_edits)
+        self.inference = (ReplayInference(trace.header.block_tokens, infer_edits=policy.infer_edits,
+                                          learn_bounds=policy.infer_learn_bounds)
                           if policy.infer else None)
         self.trace_keys: dict[str, tuple] = {}
         self.inferred_of: dict[tuple, BranchKey] = {}  # trace branch -> the inferred branch of its last call
@@ -851,7 +852,7 @@ class _Run:
         self.resolve(request, now)
         if self.inference is not None:
             self.inference.done(request, now)
-            self.push(now + self.inference.idle_s, "idle", None)
+            self.push(now + self.inference.next_sweep_after(request), "idle", None)
             if self.trace_closes:
                 self.apply_trace_closes()
 
@@ -866,7 +867,7 @@ class _Run:
                 self.push(now, "release", self.key(self.by_id[rid]))
 
     def on_idle(self, now: float) -> None:
-        """The server's idle sweep (inferred): close what has been idle for ``idle_s``."""
+        """The server's idle sweep (inferred): close what has waited past its bound."""
         self.close_inferred(self.inference.idle(now, {b: since for b, (since, tool, _) in self.paused.items()
                                                       if tool != IDLE_CLASS}))  # an idle pause holds nothing open
 
