@@ -351,9 +351,10 @@ async def _close(namespace: str, session: str, branch: str, reason: str) -> None
 async def _sweep_forever() -> None:
     from sgl_agentcache.server.http import coordinator
 
-    # Learned bounds are never under FLOOR_S: sweeping at a quarter of the shortest possible bound
-    # closes a branch within 25% of its bound.
-    period = min(max(min(state.idle_s, FLOOR_S) / 4, 0.05), 30.0)
+    # Sweeping at a quarter of the shortest possible bound closes a branch within 25% of its bound;
+    # learned bounds are never under FLOOR_S, fixed ones are idle_s.
+    shortest = state.idle_s if state.learned is None else min(state.idle_s, FLOOR_S)
+    period = min(max(shortest / 4, 0.05), 30.0)
     while True:
         await asyncio.sleep(period)
         try:
