@@ -32,10 +32,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from sgl_agentcache.policy.profiles import Profile
-from sgl_agentcache.sim.replay import replay
-from sgl_agentcache.sim.sessions import (DUPLICATES, SessionStudyConfig, analyse, collect_rows, group_trace, groups,
+from sgl_agentcache.sim.sessions import (DUPLICATES, SessionStudyConfig, analyse, collect_rows, group_results, groups,
                                          session_rows)
-from sgl_agentcache.sim.suite import REPLAY_VOCAB, _environment, pool_for, scaled_profile
+from sgl_agentcache.sim.suite import _environment
 
 EXPLICIT = "agentcache"
 STEPS = ("agentcache-inferred-v1", "agentcache-inferred-no-edits", "agentcache-inferred-fixed-bounds",
@@ -52,15 +51,8 @@ class AttributionConfig:
 def run_group(config: AttributionConfig, profile: Profile, index: int, files: tuple[str, ...]) -> list[dict]:
     """Explicit hints and every step on one group, at each host size: session rows, plus one ``audit``
     row and one ``causes`` row per (step, host)."""
-    study = config.sessions
-    trace = group_trace(files, study.token_scale)
-    prof = scaled_profile(profile, study.token_scale)
-    pool = pool_for(trace, study.pressure)
     rows = []
-    for host_ratio in study.hosts:
-        host = int(round(host_ratio * pool))
-        results = {policy: replay(trace, policy, pool_tokens=pool, host_tokens=host, profile=prof,
-                                  vocab_size=REPLAY_VOCAB) for policy in study.policies}
+    for trace, host_ratio, results in group_results(config.sessions, profile, files, with_stock=False):
         for result in results.values():
             rows += [r | {"kind": "session"} for r in session_rows(result, trace, index, host_ratio)]
         explicit = results[EXPLICIT].calls

@@ -129,17 +129,29 @@ def session_rows(result, trace, group: int, host_ratio: float) -> list[dict]:
     return rows
 
 
-def run_group(config: SessionStudyConfig, profile: Profile, index: int, files: tuple[str, ...]) -> list[dict]:
-    """Every system on one group: stock without a host tier, the others at each host size."""
+def group_results(config: SessionStudyConfig, profile: Profile, files: tuple[str, ...], *, with_stock: bool = True):
+    """One group's replays, host size by host size: yields ``(trace, host_ratio, {policy: result})``,
+    first stock alone without a host tier (``with_stock``), then every policy of ``config`` at each
+    host size (same pool, same host bytes for all of them)."""
     trace = group_trace(files, config.token_scale)
     prof = scaled_profile(profile, config.token_scale)
     pool = pool_for(trace, config.pressure)
-    rows = session_rows(replay(trace, "stock", pool_tokens=pool, host_tokens=0, profile=prof,
-                               vocab_size=REPLAY_VOCAB), trace, index, 0.0)
+
+    def run(policy: str, host: int):
+        return replay(trace, policy, pool_tokens=pool, host_tokens=host, profile=prof, vocab_size=REPLAY_VOCAB)
+
+    if with_stock:
+        yield trace, 0.0, {"stock": run("stock", 0)}
     for host_ratio in config.hosts:
         host = int(round(host_ratio * pool))
-        for policy in config.policies:
-            result = replay(trace, policy, pool_tokens=pool, host_tokens=host, profile=prof, vocab_size=REPLAY_VOCAB)
+        yield trace, host_ratio, {policy: run(policy, host) for policy in config.policies}
+
+
+def run_group(config: SessionStudyConfig, profile: Profile, index: int, files: tuple[str, ...]) -> list[dict]:
+    """Every system on one group: stock without a host tier, the others at each host size."""
+    rows = []
+    for trace, host_ratio, results in group_results(config, profile, files):
+        for result in results.values():
             rows += session_rows(result, trace, index, host_ratio)
     return rows
 
@@ -229,5 +241,5 @@ def run_study(config: SessionStudyConfig, profile: Profile, progress=None) -> di
 
 
 __all__ = ["DUPLICATES", "GROUP_SIZE", "METRICS", "QUICK_FILES", "SESSION_FILES", "SessionStudyConfig", "analyse",
-           "bench_arguments", "quick_sample", "collect_rows",
-           "group_trace", "groups", "run_group", "run_study", "session_rows"]
+           "bench_arguments", "collect_rows", "group_results", "group_trace", "groups", "quick_sample", "run_group",
+           "run_study", "session_rows"]
