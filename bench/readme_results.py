@@ -236,7 +236,7 @@ def _session_spread(body: dict, policy: str = "agentcache", other: str = "hicach
 _STEP_LABELS = {"agentcache-inferred-v1": "as first shipped (idle close frees, edit = fork)",
                 "agentcache-inferred-no-edits": "+ idle close keeps the KV cached",
                 "agentcache-inferred-fixed-bounds": "+ edits inferred",
-                "agentcache-inferred": "+ idle and tool bounds learned (shipped)",
+                "agentcache-inferred": "+ learned bounds, subagent closes (shipped)",
                 "agentcache-inferred+closes": "+ the trace's subagent closes (explicit only)"}
 _FLAG_LABELS = {"return_after_close": "back after an idle close", "trace_edit": "edit (trace-labelled)",
                 "edit_not_in_trace": "edit inferred, not in trace", "subagent_start": "subagent's first call",
@@ -286,8 +286,12 @@ def _attribution(body: dict) -> list[str]:
                 f"session); "
                 f"{a['edits_not_in_trace']} edits inferred where the trace has none; {a['subagent_starts']} subagents, "
                 f"{a['subagents_forked']} linked to their lead (the others open with a system prompt of their own); "
-                f"{a['returns_after_close']} calls back on a branch the idle sweep had closed; "
-                f"{a['branch_changes']} continuations moved to another branch."]
+                f"{a['returns_after_close']} calls back on a branch inference had closed; "
+                f"{a['branch_changes']} continuations moved to another branch"
+                + (f"; {a['subagent_closes']} subagents closed as their lead resumed from its tool, "
+                   f"{a['returns_after_subagent_close']} of them wrongly (they sent again); "
+                   f"{a['tool_bound_closes']} branches closed past their learned tool bound"
+                   if "subagent_closes" in a else "") + "."]
     return out + [""]
 
 

@@ -36,6 +36,9 @@ waiting on its tool's result and one waiting on its user: the idle bound is ``id
 and never more; a branch waiting on its tool is left to the caller's pause (its deadline, the
 server's maximum retention) until a tool bound is learned, and closed past that bound even while
 paused -- its conversation went on elsewhere (a rewrite from the first user message) or was dropped.
+Subagents: a branch that resumes with its tool's result closes its forks that have answered and wait
+for nothing (a Task-style tool returns when its subagent is done); a wrong guess -- the fork sends
+again -- costs little, as its KV stays cached and its next request starts a new branch.
 
 Bounded per namespace and in all (sessions, message fingerprints; branches per session); past a bound
 the least recently used idle session (or branch) *of the namespace over its share* is forgotten and
@@ -237,8 +240,9 @@ class Assignment:
 
 
 class Closing(NamedTuple):
-    """A branch :meth:`ChatInference.idle` closed, and why: ``"idle"`` (no request for its idle bound)
-    or ``"tool_bound"`` (waiting on its tool far past its namespace's tool gaps: abandoned)."""
+    """A branch inference forgot, for the caller to close, and why: ``"idle"`` (no request for its idle
+    bound), ``"tool_bound"`` (waiting on its tool far past its namespace's tool gaps: abandoned),
+    ``"subagent"`` (a finished fork of a branch resuming from its tool) or ``"bounds"`` (state bounds)."""
 
     namespace: str
     session: str
@@ -296,7 +300,7 @@ class ChatInference:
         self._name_key = os.urandom(16) if name_key is None else name_key
         self._next = 0
         self.counters = {"requests": 0, "continued": 0, "edits": 0, "forks": 0, "new_branches": 0, "idle_closes": 0,
-                         "tool_bound_closes": 0, "forgotten_branches": 0, "refused": 0}
+                         "tool_bound_closes": 0, "subagent_closes": 0, "forgotten_branches": 0, "refused": 0}
 
     def _name(self, kind: str) -> str:
         self._next += 1
@@ -368,14 +372,51 @@ class ChatInference:
         inferred = Inferred(turn.session, name, parent, shared, turn.source, kind == "continued", kind == "edits")
         return inferred, Assignment(namespace, inferred, previous, fps, new_session, kind, gap)
 
-    def commit(self, assignment: Assignment) -> list[tuple[str, str, str]]:
-        """The request was accepted: count it, and enforce the bounds. Returns the branches the bounds
-        made this forget, as ``(namespace, session, branch)``, for the caller to close."""
+    def commit(self, assignment: Assignment) -> list[Closing]:
+        """The request was accepted: count it, and enforce the bounds. Returns the branches this made
+        inference forget, for the caller to close (keeping their KV cached): the finished subagents of
+        a branch resuming from its tool (reason ``"subagent"``), then what the bounds forgot
+        (``"bounds"``)."""
         self.counters["requests"] += 1
         self.counters[assignment.kind] += 1
-        if assignment.gap is not None and self.learned is not None:
-            self.learned.observe(assignment.namespace, *assignment.gap)
-        return self._bound((assignment.namespace, assignment.inferred.session))
+        key = (assignment.namespace, assignment.inferred.session)
+        closed = []
+        if assignment.gap is not None:
+            if self.learned is not None:
+                self.learned.observe(assignment.namespace, *assignment.gap)
+            if assignment.gap[0] == "tool":
+                closed = self._finished_forks(key, assignment.inferred.branch)
+        return closed + self._bound(key)
+
+    def _finished_forks(self, key: tuple[str, str], lead: str) -> list[Closing]:
+        """``lead`` resumes with its tool's result: the forks of it that answered and wait for nothing
+        (no request in flight, no tool of their own pending, nor any fork of theirs) were the work the
+        tool waited for -- a Task-style subagent -- and are done. Forget them, forks before parents."""
+        session = self.sessions.get(key)
+        if session is None:
+            return []
+        children: dict = {}
+        for name, branch in session.branches.items():
+            children.setdefault(branch.parent, []).append(name)
+
+        def finished(name: str) -> bool:
+            branch = session.branches[name]
+            return (branch.in_flight == 0 and not branch.awaiting_tool
+                    and all(finished(child) for child in children.get(name, ())))
+
+        closed: list = []
+
+        def forget(name: str) -> None:
+            for child in children.get(name, ()):
+                forget(child)
+            self._forget(key, name)
+            closed.append(Closing(*key, name, "subagent"))
+
+        for name in children.get(lead, ()):
+            if finished(name):
+                forget(name)
+        self.counters["subagent_closes"] += len(closed)
+        return closed
 
     def rollback(self, assignment: Assignment, now: float) -> None:
         """The request was refused before it ran: take back what :meth:`assign` recorded (the branch's
@@ -476,7 +517,7 @@ class ChatInference:
         branch = self.sessions.get(key).branches.pop(name)
         self._set_fingerprints(key[0], branch, ())
 
-    def _bound(self, current: tuple[str, str]) -> list[tuple[str, str, str]]:
+    def _bound(self, current: tuple[str, str]) -> list[Closing]:
         """Enforce the bounds, forgetting least recently used idle branches first (never one in
         flight, never the current session's newest branch), each in the namespace over its share."""
         forgotten = []
@@ -488,10 +529,10 @@ class ChatInference:
             if name is None:
                 break
             self._forget(current, name)
-            forgotten.append((*current, name))
+            forgotten.append(Closing(*current, name, "bounds"))
         for key, state in self.sessions.enforce(current):  # the session-count bounds (LRU, per namespace)
             self._uncount(key[0], state)
-            forgotten.extend((*key, n) for n in state.branches)
+            forgotten.extend(Closing(*key, n, "bounds") for n in state.branches)
         while self.fingerprints_by_namespace[current[0]] > self.max_fingerprints_per_namespace:
             if not self._forget_oldest(current[0], current, forgotten):
                 break
@@ -507,7 +548,7 @@ class ChatInference:
         victim = next((k for k, s in self.sessions.namespace_items(namespace) if k != keep and not s.busy()), None)
         if victim is None:
             return False
-        forgotten.extend((*victim, n) for n in self.sessions.get(victim).branches)
+        forgotten.extend(Closing(*victim, n, "bounds") for n in self.sessions.get(victim).branches)
         self.forget_session(*victim)
         return True
 

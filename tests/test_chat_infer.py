@@ -159,7 +159,8 @@ def test_bounds_forget_least_recently_used_idle_state():
     inf.done(NS, first.session, first.branch, 1)
     assign(inf, NS, turn([SYSTEM, user("2")]), 2)
     _, forgotten = assign(inf, NS, turn([SYSTEM, user("3")]), 3)
-    assert forgotten == [(NS, first.session, first.branch)] and len(inf.sessions) == 2
+    assert [f[:3] for f in forgotten] == [(NS, first.session, first.branch)] and len(inf.sessions) == 2
+    assert forgotten[0].reason == "bounds"
     lead, _ = assign(inf, "other", turn([SYSTEM, user("x")], user="u"), 4)
     inf.done("other", lead.session, lead.branch, 5)
     assign(inf, "other", turn([SYSTEM, user("y")], user="u"), 6)
@@ -240,7 +241,7 @@ def test_one_namespaces_flood_forgets_only_its_own_conversations():
         a, gone = assign(inf, "tenant-a", turn([SYSTEM] + [user(f"a{i}.{j}") for j in range(1 + 40 * (i % 3))]), 2 + i)
         inf.done("tenant-a", a.session, a.branch, 2 + i)
         forgotten += gone
-    assert forgotten and all(ns == "tenant-a" for ns, _, _ in forgotten)
+    assert forgotten and all(f.namespace == "tenant-a" for f in forgotten)
     assert inf.sessions.namespace_size("tenant-a") <= 2 and inf.fingerprints_by_namespace["tenant-a"] <= 100
     assert ("tenant-b", b.session) in inf.sessions
     again, _ = assign(inf, "tenant-b", turn([SYSTEM, user("b's task"), call("grep"), result("x")]), 99)
@@ -283,3 +284,43 @@ def test_branch_names_are_unique_and_say_nothing_of_other_tenants():
     assert len(names) == 200
     first = [assign(ChatInference(name_key=b"k"), NS, turn([SYSTEM, user("x")]), 0)[0].branch for _ in range(2)]
     assert first[0] == first[1]  # the same key names alike: a replay is deterministic
+
+
+def test_a_branch_resuming_from_its_tool_closes_its_finished_subagents_only():
+    """Task-style: the lead calls a tool, subagents start from its history while it waits (each a fork
+    of the one before: they share the lead's tool call, which the lead's own request did not carry);
+    the lead's next request brings the tool's result. Forks that answered and wait for nothing are
+    done: closed, forks before parents, reason "subagent". A fork still running, or waiting on a tool
+    of its own, keeps itself and the forks it came from."""
+    history = [SYSTEM, user("review the modules"), call("task")]
+
+    def start(inf):
+        lead, _ = assign(inf, NS, turn(history[:2]), 0)
+        inf.done(NS, lead.session, lead.branch, 1, called_tool=True)
+        first, _ = assign(inf, NS, turn(history + [user("review cache")]), 1.1)
+        second, _ = assign(inf, NS, turn(history + [user("review spill")]), 1.1)
+        assert first.parent == lead.branch and second.parent == first.branch
+        return lead, first, second
+
+    inf = ChatInference(idle_s=300)
+    lead, first, second = start(inf)
+    inf.done(NS, first.session, first.branch, 2)
+    inf.done(NS, second.session, second.branch, 2)
+    _, closed = assign(inf, NS, turn(history + [result("two reviews")]), 3)  # the lead resumes
+    assert [(c.branch, c.reason) for c in closed] == [(second.branch, "subagent"), (first.branch, "subagent")]
+    assert inf.counters["subagent_closes"] == 2
+    assert set(inf.sessions.get((NS, lead.session)).branches) == {lead.branch}
+    # The lead's next user turn brings no tool result: it closes nothing.
+    inf.done(NS, lead.session, lead.branch, 4)
+    _, closed = assign(inf, NS, turn(history + [result("two reviews"), {"role": "assistant", "content": "ok"},
+                                                user("thanks")]), 5)
+    assert closed == []
+
+    for still_busy in ("running", "on its own tool"):
+        inf = ChatInference(idle_s=300)
+        lead, first, second = start(inf)
+        inf.done(NS, first.session, first.branch, 2)
+        if still_busy == "on its own tool":
+            inf.done(NS, second.session, second.branch, 2, called_tool=True)
+        _, closed = assign(inf, NS, turn(history + [result("partial")]), 3)
+        assert closed == [] and inf.counters["subagent_closes"] == 0, still_busy

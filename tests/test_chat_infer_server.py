@@ -211,6 +211,28 @@ def test_concurrent_sub_conversations_are_forks_and_their_scratch_is_reclaimed_a
     assert after["freed_on_close_tokens"] == before["freed_on_close_tokens"]
 
 
+def test_a_task_style_subagent_is_closed_when_its_parent_resumes(servers, tiny_model):
+    """The lead calls a Task-like tool and waits; a subagent starts from the lead's history (a fork)
+    and answers; the lead's next request brings the tool's result: the subagent is done, and is closed
+    then (its KV kept as untagged cache), not after the idle time."""
+    on, _ = servers
+    chat = Chat(on, tiny_model)
+    messages = [SYSTEM, _user("delegate the router review to a subagent, then summarise it")]
+    reply, call_id, _ = chat.call_tool(messages)  # the lead pauses on its tool
+    before = chat.stats()
+    chat.answer(messages + [reply, _user("subagent: review the router for races. " * 4)])
+    answered = time.monotonic()
+    chat.answer(messages + [reply, _result(call_id, "the subagent found two races")])  # the lead resumes
+    if time.monotonic() - answered >= IDLE_S - 0.5:
+        pytest.skip("too slow a machine: the idle sweep may have closed the subagent before its lead resumed")
+    after = chat.stats()
+    inference = after["chat_inference"]
+    assert inference["forks"] == before["chat_inference"]["forks"] + 1, inference
+    assert inference["subagent_closes"] == before["chat_inference"]["subagent_closes"] + 1, inference
+    assert _wait(lambda: chat.stats()["kept_on_close_tokens"] > before["kept_on_close_tokens"], timeout=IDLE_S)
+    assert chat.stats()["freed_on_close_tokens"] == before["freed_on_close_tokens"]
+
+
 def test_a_compaction_is_an_edit_of_its_branch_that_frees_the_old_suffix_at_once(servers, tiny_model):
     """Claude Code style compaction: the next request keeps the system prompt and the task, then a
     summary replaces the rest. The branch is idle, so it is an edit, not a fork: the old suffix is

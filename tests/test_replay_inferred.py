@@ -53,16 +53,17 @@ def test_inference_continues_a_branch_forks_busy_subagents_and_closes_idle_branc
     assert sub2.fork_point_tokens == 4 * BLOCK  # the blocks it shares (past the stable prefix)
     for call in (sub1, sub2):
         inference.done(call, 2.0)
-    # The lead's next call brings the tool's result: it continues the lead's branch.
-    back, _ = inference.receive(_call("l2", 3.0, [1, 2, 3, 4, 9, 10]), 3.0)
+    # The lead's next call brings the tool's result: it continues the lead's branch, and the
+    # subagents, answered and waiting for nothing, are done (closed, forks before their parent).
+    back, done = inference.receive(_call("l2", 3.0, [1, 2, 3, 4, 9, 10]), 3.0)
     assert back.branch == lead.branch and back.edit_from_tokens is None
+    assert [b.branch for b in done] == [sub2.branch, sub1.branch]
     inference.done(back, 4.0)
     paused = {}
     assert inference.idle(5.0, paused) == []  # not idle long enough
     closed = inference.idle(20.0, paused)
-    assert [b.branch for b in closed][-1] == lead.branch  # the forks before their parent
-    assert {b.branch for b in closed} == {sub1.branch, sub2.branch, lead.branch}
-    assert inference.stats()["sessions"] == 0
+    assert [b.branch for b in closed] == [lead.branch]
+    assert inference.stats()["sessions"] == 0 and inference.stats()["subagent_closes"] == 2
 
 
 def test_a_paused_branch_is_not_closed_when_idle_until_the_maximum_retention():

@@ -14,6 +14,8 @@ The rules live in :mod:`sgl_agentcache.chat_infer`; this module is the SGLang co
   the branch pauses on the called function (several: the one whose learned latency
   is longest) before the response (or the stream's ``[DONE]``) goes out; the branch's next request
   resumes it, as with an explicit hint. The request is then done for the idle clock.
+- A branch resuming with its tool's result closes its forks that answered and wait for nothing (a
+  Task-style subagent is done when its tool returns).
 - A sweeper closes branches idle past their namespace's learned idle bound (at most
   ``AGENTCACHE_INFER_IDLE_S``), and branches paused on a tool past its learned tool bound (before
   one is learned, a pause's deadline governs it). Such a close is a guess, so it keeps the branch's
@@ -88,7 +90,7 @@ _live: weakref.WeakValueDictionary[str, _Pending] = weakref.WeakValueDictionary(
 _stable_cache: NamespacedLRU[tuple[str, bytes], int] = NamespacedLRU(1024, 64)
 _sweeper: asyncio.Task | None = None
 _render_warned = False
-_to_close: list[tuple[str, str, str]] = []  # branches the bounds made inference forget, to close
+_to_close: list = []  # Closings from commits (finished subagents, the bounds' forgotten), for the sweeper
 # SGLang renders and converts chat requests in worker threads; the event loop reads the same state.
 _lock = threading.Lock()
 
@@ -331,9 +333,11 @@ def _around_stream_hook(original, serving, adapted, request, raw_request=None, *
 
 
 async def _close(namespace: str, session: str, branch: str, reason: str) -> None:
-    """Close an inferred branch, keeping its KV as untagged cache. ``reason``: ``"idle"`` (not if it
-    was paused on a tool meanwhile), ``"tool_bound"`` (paused on its tool far past the namespace's
-    learned tool gaps: the pause ends with it) or ``"bounds"`` (inference's memory bounds)."""
+    """Close an inferred branch, keeping its KV as untagged cache. ``reason`` (a
+    :class:`~sgl_agentcache.chat_infer.Closing`'s): ``"idle"`` (not if it was paused on a tool
+    meanwhile), ``"tool_bound"`` (paused on its tool far past the namespace's learned tool gaps: the
+    pause ends with it), ``"subagent"`` (a finished fork of a branch resuming from its tool) or
+    ``"bounds"`` (inference's memory bounds)."""
     from sgl_agentcache.server.http import _send, coordinator
 
     await coordinator.settle([(namespace, session, branch)])
@@ -361,9 +365,7 @@ async def _sweep_forever() -> None:
             with _lock:
                 closing = state.idle(time.monotonic(), busy=coordinator.on_tools())
                 bounded, _to_close[:] = list(_to_close), []
-            for item in bounded:
-                await _close(*item, reason="bounds")
-            for item in closing:
+            for item in bounded + closing:
                 await _close(item.namespace, item.session, item.branch, reason=item.reason)
         except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
             logger.warning("agentcache: idle sweep failed", exc_info=True)

@@ -11,9 +11,10 @@ Each group runs ours with the trace's explicit hints and five inferred variants,
 3. ``agentcache-inferred-fixed-bounds`` -- and a divergence from an idle branch is its edit (the old
    suffix freed);
 4. ``agentcache-inferred`` -- and the idle and tool-wait bounds learned per namespace from the gaps
-   seen (:mod:`sgl_agentcache.policy.gap_bounds`);
+   seen (:mod:`sgl_agentcache.policy.gap_bounds`), and a lead resuming from its tool closing its
+   finished forks (subagent completion);
 5. ``agentcache-inferred+closes`` -- and the trace's own closes of subagents (what an explicit hint
-   says; not something inference has), to size what a subagent-completion rule could still win.
+   says; not something inference has), to size what subagent closes could still win.
 
 Every variant's per-session recompute is compared with explicit hints (mean of per-session ratios, t
 interval over sessions and group bootstrap, as in the session study). The call-level view: each inferred
@@ -68,6 +69,8 @@ def run_group(config: AttributionConfig, profile: Profile, index: int, files: tu
                 calls[flag] += 1
             rows.append({"kind": "audit", "group": index, "policy": policy, "host_ratio": host_ratio,
                          **result.inference["audit"], "idle_closes": result.inference["idle_closes"],
+                         "tool_bound_closes": result.inference["tool_bound_closes"],
+                         "subagent_closes": result.inference["subagent_closes"],
                          "kept_on_close_tokens": result.inference["kept_on_close_tokens"]})
             rows.append({"kind": "causes", "group": index, "policy": policy, "host_ratio": host_ratio,
                          "explicit_recomputed": sum(r.input_tokens - explicit[r.id].cached_tokens

@@ -22,7 +22,8 @@ would have run (``hints="inferred"``). What carries over, and what it stands for
 - a context edit -> what the server infers: a call that shares history with an idle branch and then
   diverges edits it (``edit_from_tokens`` = the shared blocks' tokens), whether or not the trace marks
   an edit there;
-- closes -> none: a client sends no close. Branches close after their idle bound without a call in
+- closes -> none: a client sends no close. A branch resuming from its tool closes its finished forks
+  (a Task-style subagent, as on the server). Branches close after their idle bound without a call in
   flight, except while paused on a tool within the server's maximum retention or, once learned, the
   namespace's tool bound (``learn_bounds``: both bounds learned from the gaps seen, as on the server);
   the replay closes them as the server's sweeper does (``keep_cached``: their KV stays untagged cache).
@@ -67,6 +68,7 @@ class ReplayInference:
                                    infer_edits=infer_edits, learn_after=MIN_GAPS if learn_bounds else 0)
         self.max_retention_s = max_retention_s
         self.called_tool: dict[tuple, bool] = {}  # trace branch -> whether its last call ran a tool
+        self.subagents_closed: set[BranchKey] = set()  # inferred branches closed as finished subagents
 
     def next_sweep_after(self, request: Request) -> float:
         """Seconds after ``request`` is answered that the server's sweep would first find its branch due."""
@@ -75,7 +77,8 @@ class ReplayInference:
 
     def receive(self, request: Request, now: float) -> tuple[Request, list[BranchKey]]:
         """The call as the server would run it (inferred session, branch, parent, fork point and
-        edit; no close), and the branches the inference's bounds forgot (to close)."""
+        edit; no close), and the branches it made inference forget (finished subagents, the bounds'
+        forgotten), to close."""
         namespace = namespace_key(request.tenant, None)
         turn = block_turn(request, self.block_tokens)
         trace_branch = (request.tenant, request.session, request.branch)
@@ -93,7 +96,9 @@ class ReplayInference:
         rewritten = msgspec.structs.replace(
             request, session=inferred.session, branch=inferred.branch, parent_branch=inferred.parent,
             fork_point_tokens=fork_point, close=False, edit_from_tokens=edit_from, hints="inferred")
-        return rewritten, [BranchKey(*item) for item in forgotten]
+        closing = [BranchKey(*item[:3]) for item in forgotten]
+        self.subagents_closed.update(b for b, item in zip(closing, forgotten) if item.reason == "subagent")
+        return rewritten, closing
 
     def done(self, request: Request, now: float) -> None:
         """A call received through :meth:`receive` ended."""

@@ -356,7 +356,8 @@ class _Run:
         self.audit = {"calls": 0, "trace_edits": 0, "trace_edits_inferred": 0, "trace_edits_as_forks": 0,
                       "trace_edits_continued": 0,
                       "edits_not_in_trace": 0, "subagent_starts": 0, "subagents_forked": 0,
-                      "returns_after_close": 0, "branch_changes": 0, "trace_closes_applied": 0}
+                      "returns_after_close": 0, "returns_after_subagent_close": 0, "branch_changes": 0,
+                      "trace_closes_applied": 0}
         self.received: dict[tuple, int] = {}  # trace branch -> its calls the server received, not yet done
         self.inferred_orphans = 0
         self.restore_marks: dict[str, int] = {}  # request id -> tokens its failed attempts loaded back
@@ -547,6 +548,7 @@ class _Run:
         if before is not None and before != own:
             if before in self.inferred_closed:
                 a["returns_after_close"] += 1
+                a["returns_after_subagent_close"] += before in self.inference.subagents_closed  # a wrong guess
                 flags.insert(0, "return_after_close")
             elif original.edit_from_tokens is None:
                 a["branch_changes"] += 1
