@@ -9,13 +9,14 @@ a branch has waited longer than its conversations usually do. Two kinds of wait,
   rewritten from the first user message, or the harness gave up): its pause holds memory for nothing.
 - ``"idle"``: the reply called no tool; the gap ends with the next user turn (or a retried one).
 
-A bound is ``MARGIN`` times the ``QUANTILE`` of the namespace's last ``WINDOW`` gaps of that kind,
-never under ``FLOOR_S``; the idle bound never over the operator's idle time, and neither is learned
-before ``min_gaps`` gaps (default :data:`MIN_GAPS`; then :meth:`GapBounds.bound` returns None and the caller's fixed rule holds).
-Gaps past a bound are not observed (the branch is closed by then, its next request opens a new one),
-so the learned quantile is of gaps under the bound; the margin is what keeps the bound from creeping
-down: it moves only when the tail within it thins out. A wrong guess is cheap by design -- the caller
-closes with the KV kept as untagged cache -- so the bound may be tight where the gaps are.
+A bound is ``MARGIN`` times the longest of the namespace's last ``WINDOW`` gaps of that kind, never
+under ``FLOOR_S``; the idle bound never over the operator's idle time, and neither is learned before
+``min_gaps`` gaps (default :data:`MIN_GAPS`; then :meth:`GapBounds.bound` returns None and the
+caller's fixed rule holds). Gaps past a bound are not observed (the branch is closed by then, its next
+request opens a new one), so the longest gap seen is under the bound; the margin is what keeps the
+bound from creeping down: it moves only when the longest gaps leave the window. A wrong guess is
+cheap by design -- the caller closes with the KV kept as untagged cache -- so the bound may be tight
+where the gaps are.
 
 Bounded: at most ``limit`` namespaces (each holds two windows of ``WINDOW`` floats); past it the least
 recently used namespace's gaps are forgotten (it falls back to the fixed rule until it learns again).
@@ -28,16 +29,15 @@ from collections import deque
 
 from sgl_agentcache.namespaced_lru import NamespacedLRU
 
-__all__ = ["FLOOR_S", "KINDS", "MARGIN", "MIN_GAPS", "QUANTILE", "WINDOW", "GapBounds"]
+__all__ = ["FLOOR_S", "KINDS", "MARGIN", "MIN_GAPS", "WINDOW", "GapBounds"]
 
 KINDS = ("tool", "idle")
 #: Gaps a namespace must have shown (of one kind) before its bound of that kind is learned (default).
 MIN_GAPS = 16
 #: The most recent gaps a namespace keeps per kind.
 WINDOW = 256
-#: The bound is MARGIN x this quantile of the window (the longest gap: tool latencies are heavy-tailed,
-#: Terminal-Bench's p99 is 180 s and its max 600 s; a tighter statistic closed live pauses there)...
-QUANTILE = 1.0
+#: The bound is MARGIN x the longest gap of the window (tool latencies are heavy-tailed: Terminal-Bench's
+#: p99 is 180 s and its max 600 s; twice the 99th percentile, or twice the longest, closed live pauses)...
 MARGIN = 4.0
 #: ...and never shorter than this (a burst of instant tools must not make every pause a close).
 FLOOR_S = 2.0
@@ -53,8 +53,7 @@ class _Window:
     def observe(self, gap: float, min_gaps: int) -> None:
         self.gaps.append(gap)
         if len(self.gaps) >= min_gaps:
-            ordered = sorted(self.gaps)
-            self.bound = max(FLOOR_S, MARGIN * ordered[min(int(QUANTILE * len(ordered)), len(ordered) - 1)])
+            self.bound = max(FLOOR_S, MARGIN * max(self.gaps))
 
 
 class GapBounds:
