@@ -48,9 +48,18 @@ activate it with ``runtime_context.use_context`` around every driver call. Code 
 the cache directly (``cache.evict``, ``cache.close_branch`` ...) should do so inside
 ``with activated(cache):`` (or ``driver.activated()``).
 
+**HiCache.** With ``hicache=OfflineHiCache(...)`` the cache gets SGLang's own HiCache attached, the way
+the registry attaches it for ``--enable-hierarchical-cache`` (``init_hicache``: its host pool, cache
+controller and ``direct`` io backend on CPU, through the CPU shims), for stock SGLang and for ours alike.
+The driver then does what the scheduler does with it: a request whose match found a host hit passes the
+budget with those tokens counted as new, and only then is loaded back (``PrefillAdder.add_one_req``:
+``init_load_back`` under a host lock, then ``ready_to_load_host_cache``), and every step polls HiCache's
+events (``check_hicache_events``) so backups and loads are acknowledged. CPU copies finish at once, so
+a load lands in the step that issued it.
+
 Differences from a live server, by design: there is no batching, no admission budget (``admit``
 allocates or raises :class:`OfflineOutOfMemory`), no retraction (a decode step that cannot get a slot
-raises :class:`OfflineOutOfMemory`), no HiCache, and token ids are never checked against a vocabulary.
+raises :class:`OfflineOutOfMemory`), and token ids are never checked against a vocabulary.
 Run with ``SGLANG_USE_CPU_ENGINE=1`` on a CPU-only SGLang install.
 """
 
@@ -58,6 +67,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -88,6 +98,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OfflineDriver",
+    "OfflineHiCache",
     "OfflineOutOfMemory",
     "OfflineRefused",
     "OfflineReq",
@@ -103,6 +114,37 @@ UNBOUNDED_NEW_TOKENS = 1 << 30
 
 # The private runtime context each offline cache was built under (see the module docstring).
 _CONTEXTS: "weakref.WeakKeyDictionary[AgentRadixCache, RuntimeContext]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class OfflineHiCache:
+    """SGLang's own HiCache for an offline cache: ``--enable-hierarchical-cache`` with a host pool of
+    exactly ``host_tokens`` KV slots (whole pages), ``--hicache-write-policy write_policy``,
+    ``--hicache-io-backend direct`` and ``--hicache-mem-layout layout`` (the CPU shims support
+    ``layer_first`` and ``page_first_direct``)."""
+
+    host_tokens: int
+    write_policy: str = "write_back"
+    layout: str = "layer_first"
+
+    def server_fields(self, pool_tokens: int, page_size: int) -> dict[str, Any]:
+        """``ServerArgs`` fields that give this host pool. SGLang sizes it as ``int(pool * ratio)``
+        rounded down to pages plus one padding page, so the ratio aims one page short."""
+        if self.host_tokens < page_size or self.host_tokens % page_size:
+            raise ValueError(f"host_tokens={self.host_tokens} must be a positive multiple of page_size={page_size}")
+        if self.write_policy not in ("write_back", "write_through", "write_through_selective"):
+            raise ValueError(f"unknown HiCache write policy {self.write_policy!r}")
+        return dict(enable_hierarchical_cache=True, hicache_io_backend="direct", hicache_mem_layout=self.layout,
+                    hicache_write_policy=self.write_policy,
+                    hicache_ratio=(self.host_tokens - page_size + 0.5) / pool_tokens)
+
+
+class _LayerCounterSink:
+    """Stands for the model worker the registry hands HiCache's layer-done counter to (the offline cache
+    runs no forward pass that would wait on it)."""
+
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        self.counter = counter
 
 
 class OfflineOutOfMemory(RuntimeError):
@@ -174,7 +216,8 @@ def offline_context(server_args: ServerArgs | None = None) -> RuntimeContext:
 def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: int = 64,
                         enable_session_radix_cache: bool = False, *, context_len: int | None = None,
                         server_args: ServerArgs | None = None, stock: bool = False,
-                        tp_group: Any = None, host_spill: bool | None = None) -> AgentRadixCache:
+                        tp_group: Any = None, host_spill: bool | None = None,
+                        hicache: OfflineHiCache | None = None) -> AgentRadixCache:
     """Build the real ``AgentRadixCache`` over real SGLang memory pools on CPU.
 
     - ``pool_tokens``: KV slots in the pool (the allocator's ``size``; rounded down to whole pages).
@@ -191,6 +234,8 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
       and the caches agree on transfer outcomes over it (``AgentRadixCache.agree``). Tests only.
     - ``host_spill``: turn the node spill on or off (None: the server's default, ``AGENTCACHE_HOST_SPILL``,
       on unless set to 0). Tests of stock-like eviction and of the tree alone turn it off.
+    - ``hicache``: attach SGLang's own HiCache (see :class:`OfflineHiCache`); ours then retires its own
+      host tier (``AgentRadixCache.init_hicache``). Not with ``server_args`` (give its fields there).
 
     The cache is built through ``sglang.srt.mem_cache.registry.create_tree_cache`` -- the scheduler's
     own entry -- so our registered ``agentcache`` factory (with its pinned-internals check) runs. The
@@ -207,10 +252,13 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
     pool_tokens = pool_tokens // page_size * page_size
     if pool_tokens < page_size:
         raise ValueError(f"pool_tokens must hold at least one {page_size}-token page")
+    if hicache is not None and server_args is not None:
+        raise ValueError("pass HiCache either as hicache= or in server_args, not both")
     if server_args is None:
         server_args = offline_server_args(page_size=page_size,
                                           enable_session_radix_cache=enable_session_radix_cache,
-                                          **({"radix_cache_backend": None} if stock else {}))
+                                          **({"radix_cache_backend": None} if stock else {}),
+                                          **(hicache.server_fields(pool_tokens, page_size) if hicache else {}))
     elif server_args.page_size not in (None, page_size):
         raise ValueError(f"server_args.page_size={server_args.page_size} but page_size={page_size}")
     context = offline_context(server_args)
@@ -245,7 +293,8 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
         tp_rank = 0 if tp_group is None else torch.distributed.get_rank(group=tp_group)
         build = TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
+            enable_hierarchical_cache=bool(server_args.enable_hierarchical_cache), disable_radix_cache=False,
+            tp_worker=_LayerCounterSink(), model_config=None,
             tp_size=tp_size, tp_rank=tp_rank, tp_group=tp_group,
         )
         cache = create_tree_cache(build)
@@ -253,7 +302,10 @@ def build_offline_cache(pool_tokens: int = 4096, page_size: int = 1, max_reqs: i
         raise RuntimeError(f"create_tree_cache built {type(cache).__name__}, not AgentRadixCache "
                            f"(radix_cache_backend={server_args.radix_cache_backend!r})")
     _CONTEXTS[cache] = context
-    if host_spill is not None and not stock:
+    if hicache is not None and cache.cache_controller.mem_pool_host.size != hicache.host_tokens:
+        raise RuntimeError(f"HiCache sized its host pool {cache.cache_controller.mem_pool_host.size} tokens, "
+                           f"not {hicache.host_tokens}: SGLang's sizing rule changed")
+    if host_spill is not None and not stock and hicache is None:
         cache.set_host_spill(host_spill)
     return cache
 
@@ -296,6 +348,7 @@ class OfflineDriver:
         self.cache = cache
         self.context = context_of(cache)
         self.live: dict[str, OfflineReq] = {}
+        self.hicache_loaded_tokens = 0  # what admissions loaded back from HiCache's host pool
         copies = getattr(cache, "copies", None)  # the stock cache has none
         if copies is not None:  # a step here stands for as long as any offload's copy takes (deterministic)
             copies.step_waits = True
@@ -458,6 +511,9 @@ class OfflineDriver:
                 try:
                     if budget is not None:
                         self._check_budget(req, budget)
+                    if self.hicache and req.host_hit_length > 0:
+                        self._load_back_from_hicache(req)
+                        req.extend_end = self._chunk_end(req, max_prefill_tokens)
                     if not getattr(req, "agentcache_host_pending", False) or attempt > MAX_WAIT_STEPS:
                         self._alloc_for_extend(req)
                         break
@@ -531,11 +587,11 @@ class OfflineDriver:
                 if not req.output_ids:
                     req.output_ids.append(tokens.pop(0))
                     checkpoint_kv_cache(req, self.cache)
-                    self.cache.flush_pending_backups()
+                    self._batch_done()
                 if tokens:
                     self._alloc_for_decode(req, len(tokens))
                     req.output_ids.extend(tokens)
-                    self.cache.flush_pending_backups()
+                    self._batch_done()
                 return
             for token in tokens:
                 if not req.output_ids:
@@ -544,7 +600,7 @@ class OfflineDriver:
                 else:
                     self._alloc_for_decode(req)
                     req.output_ids.append(token)
-                self.cache.flush_pending_backups()
+                self._batch_done()
 
     def finish(self, req: OfflineReq) -> None:
         """Finish the request normally (a length finish at its current output) and release it with
@@ -587,9 +643,10 @@ class OfflineDriver:
             self._release(req, checkpoint=checkpoint)
 
     def step(self) -> None:
-        """The per-batch tick (``tree_cache.flush_pending_backups()``) with no request work."""
+        """The per-batch tick (``tree_cache.flush_pending_backups()``, and HiCache's event poll) with no
+        request work."""
         with self.activated():
-            self.cache.flush_pending_backups()
+            self._batch_done()
 
     # ---- radix-native sessions (--enable-session-radix-cache) ----
 
@@ -746,4 +803,44 @@ class OfflineDriver:
     def _release(self, req: OfflineReq, *, checkpoint: bool) -> None:
         release_kv_cache(req, self.cache, checkpoint=checkpoint)
         del self.live[req.rid]
+        self._batch_done()
+
+    @property
+    def hicache(self) -> bool:
+        """Whether SGLang's own HiCache is attached to the cache."""
+        return getattr(self.cache, "cache_controller", None) is not None
+
+    def _batch_done(self) -> None:
+        """After a batch result: pending backups go to the copy engine (``Scheduler.process_batch_result``)
+        and, with HiCache, its finished backups and loads are acknowledged (``check_hicache_events``, which
+        the scheduler runs at the top of its next step)."""
         self.cache.flush_pending_backups()
+        if self.hicache:
+            self.cache.check_hicache_events()
+
+    def _load_back_from_hicache(self, req: OfflineReq) -> None:
+        """``PrefillAdder.add_one_req`` once a request with a HiCache host hit passed the budget (its host
+        tokens counted as new): under a host lock on the match, ``init_load_back`` allocates device slots
+        (evicting, or writing back, as it must) and queues the copy; the prefix grows by what it loaded
+        (none, if it could not), the request now pins the loaded node, and the copy starts
+        (``ready_to_load_host_cache``) and is acknowledged at once (a CPU copy is done when issued)."""
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        cache = self.cache
+        host_lock = cache.inc_host_lock_ref(req.best_match_node).to_dec_params()
+        try:
+            loaded, last_node = cache.init_load_back(InitLoadBackParams(
+                best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+        finally:
+            cache.dec_host_lock_ref(req.best_match_node, host_lock)
+        req.host_loaded_length = loaded
+        self.hicache_loaded_tokens += loaded
+        if loaded:
+            cache.unlock(req.lock)
+            req.last_node = last_node
+            req.prefix_len += loaded
+            if cache.load_back_is_cache_owned():
+                req.kv.cache_protected_len = req.prefix_len
+            req.lock = cache.lock(req.last_node)
+        cache.ready_to_load_host_cache()
+        cache.check_hicache_events()

@@ -18,7 +18,11 @@ ratio), our ``AgentRadixCache`` for the rest. They differ in
 
 Mechanisms (``docs/anchors.md``; formulas checked against the papers and their public code):
 
-- B1 ``hicache``: SGLang HiCache's write-back on the same host budget, LRU on both tiers.
+- B1 ``hicache``: SGLang HiCache's write-back on the same host budget, LRU on both tiers, as our own host
+  tier emulates it (exclusive: an entry leaves host when it loads back).
+- B1* ``sglang-hicache`` / ``sglang-hicache-wt``: SGLang's own HiCache, its code (``UnifiedRadixCache`` with
+  ``init_hicache``: host pool, cache controller, ``direct`` io) driven offline (``server/offline.py``), the
+  host pool sized to the same host budget; write-back and write-through.
 - B2 ``infercept``: InferCept's min-waste rule with pipelined, budgeted swap (paper §4), on HiCache
   write-back (evicted nodes go to the same host tier: without it InferCept, built on a vLLM with no host
   cache, recomputed 1.4-4x stock's tokens wherever a host tier was given -- a strawman): a pause is
@@ -44,6 +48,9 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
 - B5 ``session-radix``: SGLang's ``--enable-session-radix-cache`` soft protection (reference, no host).
 - ours: lifecycle rank, quotas and closes, our pause policy (learned latency distributions), the node
   spill, and a prefetch at the tool class's learned median (into free memory only).
+- ``agentcache-on-hicache``: ours on SGLang's own HiCache (``--enable-hierarchical-cache``): our lifecycle
+  decides what HiCache's host pool holds and deletes (``AgentRadixCache.init_hicache``); our own host tier
+  is off, so pauses are advice (keep or discard) and a prefetch uses HiCache's load path.
 - ours, inferred (``agentcache-inferred``): the same cache with no client hint at all: sessions,
   branches, forks, stable prefixes and tool pauses inferred from the calls as ``AGENTCACHE_INFER=chat``
   infers them from chat requests (``sim/inferred.py``): idle closes that keep the KV cached, edits
@@ -135,11 +142,12 @@ class ReplayPolicy:
     infer_keep_on_close: bool = True  # inferred: an idle close keeps the KV as untagged cache (else frees)
     infer_trace_closes: bool = False  # inferred + the trace's own closes (attribution only)
     infer_learn_bounds: bool = True  # inferred: idle and tool-wait bounds learned per namespace (else fixed)
+    hicache: str | None = None  # SGLang's own HiCache attached, with this write policy, its host pool the budget
 
     @property
     def reference(self) -> bool:
-        """Stock SGLang: compared without a host tier (it has none)."""
-        return self.stock
+        """Stock SGLang without HiCache: compared without a host tier (it has none)."""
+        return self.stock and self.hicache is None
 
 
 # ---- ours ----
@@ -242,6 +250,10 @@ class ClairvoyantRule:
 POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
     ReplayPolicy("stock", "B0 SGLang LRU (no host tier)", stock=True),
     ReplayPolicy("hicache", "B1 LRU + HiCache write-back", ranking=LruRanking, spill=True),
+    ReplayPolicy("sglang-hicache", "B1* SGLang's own HiCache, write-back (its code, offline)", stock=True,
+                 hicache="write_back"),
+    ReplayPolicy("sglang-hicache-wt", "B1* SGLang's own HiCache, write-through (its code, offline)", stock=True,
+                 hicache="write_through"),
     ReplayPolicy("infercept", "B2 InferCept min-waste, budgeted swap + write-back", ranking=LruRanking, spill=True,
                  pause_rule=InferCeptRule),
     ReplayPolicy("continuum", "B3 LRU write-back + TTL pin (Continuum's Eq. 2 TTL, not its scheduler)",
@@ -252,6 +264,8 @@ POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
     ReplayPolicy("session-radix", "B5 SGLang session-radix (no host tier)", stock=True, session_radix=True),
     ReplayPolicy("agentcache", "ours: lifecycle + pause policy + spill", hints=True, quotas=True, spill=True,
                  pause_rule=OursRule),
+    ReplayPolicy("agentcache-on-hicache", "ours on SGLang's HiCache (write-back; its host pool, our lifecycle)",
+                 hints=True, quotas=True, pause_rule=OursRule, hicache="write_back"),
     ReplayPolicy("agentcache-inferred", "ours, inferred hints (AGENTCACHE_INFER=chat; no client hints)",
                  hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True),
     ReplayPolicy("agentcache-inferred-v1", "ours, inferred as first shipped (idle closes free; edits are forks)",

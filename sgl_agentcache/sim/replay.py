@@ -33,6 +33,7 @@ prompt carries at those positions, so the next turn can hit them, as on a real s
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import statistics
 import time
@@ -66,6 +67,10 @@ KVFLOW_HOLD_STEPS = 4
 
 #: Resident-memory samples kept per run (for the memory-by-class plot).
 TIMELINE_SAMPLES = 200
+#: SGLang HiCache loggers that narrate, per event, what the replay counts itself (a host pool smaller than
+#: the device pool, CPU events without timing, write-back subtrees dropped under host pressure).
+_HICACHE_NARRATORS = ("sglang.srt.mem_cache.pool_host.base", "sglang.srt.mem_cache.l2_transfer",
+                      "sglang.srt.mem_cache.unified_radix_cache")
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
@@ -276,13 +281,18 @@ class _Run:
     def __init__(self, trace: Trace, policy: ReplayPolicy, pool_tokens: int, host_tokens: int, profile: Profile,
                  vocab_size: int, max_live: int, future: TraceFuture | None, timeline: bool,
                  admission: AdmissionSettings | None = None):
-        from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+        from sgl_agentcache.server.offline import OfflineDriver, OfflineHiCache, build_offline_cache
 
         self.trace, self.policy, self.profile, self.max_live = trace, policy, profile, max_live
         host_tokens = 0 if policy.reference else host_tokens  # stock SGLang has no host tier
         longest = max((r.input_tokens + max(r.output_tokens, 1) for r in trace.requests), default=1)
+        hicache = OfflineHiCache(host_tokens, policy.hicache) if policy.hicache and host_tokens > 0 else None
+        if hicache is not None:
+            for name in _HICACHE_NARRATORS:
+                logging.getLogger(name).setLevel(logging.ERROR)
         self.cache = build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_live, context_len=longest,
-                                         stock=policy.stock, enable_session_radix_cache=policy.session_radix)
+                                         stock=policy.stock, enable_session_radix_cache=policy.session_radix,
+                                         hicache=hicache)
         # Copies made ahead change when a copy runs, never what the tree does (server/copy_ahead.py), and
         # the replay has no clock: its worker thread would only slow the replay down.
         if not policy.stock:
@@ -300,8 +310,9 @@ class _Run:
             s.bytes_per_token = profile.kv_bytes_per_token
             s.h2d_bytes_per_s, s.d2h_bytes_per_s = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
             s.prefill_tokens_per_s = profile.prefill_tokens_per_s
-            cache.pauses.host.capacity_tokens = host_tokens
-            cache.set_host_spill(policy.spill and host_tokens > 0)
+            if hicache is None:  # on HiCache its host pool is the host tier (AgentRadixCache.init_hicache)
+                cache.pauses.host.capacity_tokens = host_tokens
+                cache.set_host_spill(policy.spill and host_tokens > 0)
             if not policy.quotas:  # quotas are ours; baselines run without them
                 cache.branch_quota_tokens = cache.session_quota_tokens = 1 << 40
                 s.max_kept_branches = s.max_kept_tokens = 1 << 40
@@ -405,6 +416,11 @@ class _Run:
             return UnifiedRadixCache.match_prefix(self.cache, MatchPrefixParams(key=key)).device_prefix_len
 
     def restored_so_far(self) -> int:
+        """Tokens loaded back from the host tier so far (HiCache's admission load-backs, or our tier's)."""
+        if self.driver.hicache:
+            return self.driver.hicache_loaded_tokens
+        if not self.agent:
+            return 0
         return self.cache.pauses.counters["restored_tokens"] + self.cache.spill.counters["loaded_tokens"]
 
     # ---- requests ----
@@ -426,7 +442,7 @@ class _Run:
             if (request.tenant, request.session) not in self.sessions:
                 self.driver.open_session(session_id)
                 self.sessions.add((request.tenant, request.session))
-        restored_before = self.restored_so_far() if self.agent else 0
+        restored_before = self.restored_so_far()
         try:
             req = self.driver.admit(request.id, self.tokens.prompt(request), kv_hints=envelope,
                                     extra_key=request.tenant, session_id=session_id, budget=budget)
@@ -434,9 +450,8 @@ class _Run:
             self.result.admission_refusals += 1
             # Its match may already have loaded host copies back (as the scheduler's does at every
             # attempt): they count toward the call when it runs.
-            if self.agent:
-                self.restore_marks[request.id] = (self.restore_marks.get(request.id, 0)
-                                                  + self.restored_so_far() - restored_before)
+            self.restore_marks[request.id] = (self.restore_marks.get(request.id, 0)
+                                              + self.restored_so_far() - restored_before)
             return False
         except OfflineRefused:
             if self.order is not None:
@@ -445,9 +460,7 @@ class _Run:
             self.answered(request, now)
             self.waiting.extend(self.release_next(self.key(request), now))
             return True
-        restored = 0
-        if self.agent:
-            restored = self.restored_so_far() - restored_before + self.restore_marks.pop(request.id, 0)
+        restored = self.restored_so_far() - restored_before + self.restore_marks.pop(request.id, 0)
         r = self.result
         r.access_log.append(("a", request.id))
         r.requests += 1
@@ -740,7 +753,7 @@ class _Run:
                 pauses.prefetch_branch(branch, queued=len(self.waiting))
                 return
             last = self.last_call.get(branch)
-            if last is None or not self.cache.spill.lru:
+            if last is None or not (self.cache.spill.lru or self.cache.on_hicache):
                 return
             from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -983,13 +996,14 @@ class _Run:
                                                     "kept_on_close_tokens": self.cache.kept_on_close_tokens}
             r.inference_flags = self.inference_flags
         if self.policy.hints:
-            # Leaked: terminated tokens that nothing holds any more yet are still resident (must be 0).
+            # Leaked: terminated tokens that nothing holds any more yet are still resident, on any tier
+            # (must be 0): what a reclaim could free now (``awaits_reclaim``, as the integrity check asks).
             # Terminated nodes that other branches' nodes still hang below, on the device or on host
-            # (spilled nodes, paused copies), are shared, not leaked.
+            # (spilled nodes, paused copies, HiCache host-only nodes), are shared, not leaked.
             core, cache = self.cache.tree_core, self.cache
             held = cache.host_anchors()
             r.reclaimed_tokens = cache.freed_on_close_tokens
-            r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.is_device_leaf(n) and n not in held)
+            r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.awaits_reclaim(n) and n not in held)
             r.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - r.leaked_tokens
         if self.timeline:
             self.sample(max(r.completion_s, max((e.t for e in self.trace.records), default=0.0)))

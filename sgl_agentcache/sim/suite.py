@@ -12,7 +12,13 @@ The host tier is an axis, in multiples of the pool: every system of a cell gets 
 capacity, except the reference systems (stock SGLang, with and without session-radix), which have no
 host tier at all and so appear at host 0 only -- stock without a host tier is the denominator of every
 ratio, in every cell. All systems run at the main host levels (``hosts``); ours and the HiCache
-baseline also run at the sweep levels (``sweep_hosts``, at ``sweep_pressure``).
+baselines also run at the sweep levels (``sweep_hosts``, at ``sweep_pressure``).
+
+SGLang's HiCache runs twice: as ``hicache``, the write-back our own host tier emulates, and as
+``sglang-hicache``, SGLang's own HiCache code driven offline (``comparisons_hicache_emulation``: the one
+over the other). Ours runs on both host tiers too: ``agentcache`` on our own, ``agentcache-on-hicache`` on
+SGLang's HiCache (``comparisons_on_hicache``: on HiCache / on our tier, / SGLang's HiCache, / stock) --
+the measurement that decides whether our own host tier can go (issue #36).
 
 Statistics. Each figure is a mean over seeds with a 95% confidence interval (Student t over the
 per-seed values); ours against each other system is the per-seed ratio of recomputed tokens, and a
@@ -61,8 +67,12 @@ REAL_WORKLOADS = {
 OURS = "agentcache"
 #: Ours with no client hints: the lifecycle inferred from the calls (AGENTCACHE_INFER=chat).
 INFERRED = "agentcache-inferred"
-DEFAULT_POLICIES = ("stock", "hicache", "infercept", "continuum", "kvflow", "session-radix", OURS, INFERRED,
-                    "clairvoyant")
+#: Ours on SGLang's own HiCache (its host pool and transfers, our lifecycle), and SGLang's HiCache itself,
+#: both driven offline through SGLang's code (server/offline.py).
+ON_HICACHE = "agentcache-on-hicache"
+SGLANG_HICACHE = "sglang-hicache"
+DEFAULT_POLICIES = ("stock", "hicache", SGLANG_HICACHE, "infercept", "continuum", "kvflow", "session-radix", OURS,
+                    ON_HICACHE, INFERRED, "clairvoyant")
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ class SuiteConfig:
     hosts: tuple[float, ...] = (0.0, 1.0)  # host tier as a multiple of the pool: every policy (host 0 at
     # the sweep pressure only: every system without a host tier is the equal-memory comparison there)
     sweep_hosts: tuple[float, ...] = (0.25, 0.5, 4.0)  # ours and HiCache only, at sweep_pressure
-    sweep_policies: tuple[str, ...] = ("hicache", OURS)
+    sweep_policies: tuple[str, ...] = ("hicache", SGLANG_HICACHE, OURS, ON_HICACHE)
     sweep_pressure: str = "tight"
     seeds: tuple[int, ...] = tuple(range(1, 11))
     real_seeds: tuple[int, ...] = tuple(range(1, 11))
@@ -156,8 +166,13 @@ def _row(result: ReplayResult, stock: ReplayResult, cell: dict) -> dict:
 
 def _plan(config: SuiteConfig, pressure: str) -> list[tuple[float, tuple[str, ...]]]:
     """(host level, policies) to run at ``pressure``; reference systems only at host 0, and host 0 only
-    at the sweep pressure."""
-    plan = [(h, tuple(p for p in config.policies if p != "stock" and (h == 0 or not POLICIES[p].reference)))
+    at the sweep pressure. A system on SGLang's HiCache runs only with a host pool (without one it is the
+    same system as its own-tier twin with none)."""
+    def runs_at(policy: str, host: float) -> bool:
+        p = POLICIES[policy]
+        return policy != "stock" and (host == 0 or not p.reference) and (host > 0 or p.hicache is None)
+
+    plan = [(h, tuple(p for p in config.policies if runs_at(p, h)))
             for h in config.hosts if h > 0 or pressure == config.sweep_pressure]
     if pressure == config.sweep_pressure:
         plan += [(h, tuple(p for p in config.sweep_policies if p in config.policies)) for h in config.sweep_hosts
@@ -235,6 +250,9 @@ def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], N
     return {"config": asdict(config), "profile": profile.to_dict(), "rows": rows, "runs": runs,
             "summary": summarize(rows), "comparisons": compare(rows, OURS),
             "comparisons_inferred": [c for c in compare(rows, INFERRED) if c["other"] in ("stock", "hicache", OURS)],
+            "comparisons_on_hicache": [c for c in compare(rows, ON_HICACHE)
+                                       if c["other"] in ("stock", "hicache", SGLANG_HICACHE, OURS)],
+            "comparisons_hicache_emulation": [c for c in compare(rows, "hicache") if c["other"] == SGLANG_HICACHE],
             "latency_comparisons": [c for metric in LATENCY_METRICS for c in compare(rows, OURS, metric)
                                     if c["other"] in ("stock", "hicache")],
             "jobs": len(jobs),

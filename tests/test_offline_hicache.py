@@ -1,0 +1,128 @@
+"""SGLang's own HiCache driven offline: its host pool, cache controller and ``direct`` io on CPU (the CPU
+shims), attached by SGLang's registry as ``--enable-hierarchical-cache`` does, under stock SGLang's
+``UnifiedRadixCache`` and under ours; and the replayer running both (``sglang-hicache``,
+``agentcache-on-hicache``) beside our own host tier at the same host bytes.
+
+Nothing is mocked: the copies are real (tiny) tensor copies through SGLang's transfer code. Token ids
+stay below 512.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sgl_agentcache.policy.profiles import PROFILES
+from sgl_agentcache.server.cache import AgentRadixCache
+from sgl_agentcache.server.offline import OfflineDriver, OfflineHiCache, OfflineOutOfMemory, build_offline_cache
+from sgl_agentcache.sim.replay import replay
+from sgl_agentcache.sim.suite import pool_for
+from sgl_agentcache.trace.generators import generate
+
+POOL = 128
+PROMPT = 50
+
+
+def _prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(PROMPT)] for _ in range(n)]
+
+
+def _driver(kind: str, write_policy: str = "write_back", host_tokens: int = POOL) -> OfflineDriver:
+    cache = build_offline_cache(pool_tokens=POOL, stock=kind == "stock",
+                                hicache=OfflineHiCache(host_tokens, write_policy))
+    return OfflineDriver(cache)
+
+
+def _serve(driver: OfflineDriver, rid: str, prompt: list[int], budget: int = 4):
+    req = driver.admit(rid, prompt, extra_key="t", budget=budget)
+    driver.extend(req, [7] * 4, batched_decode=True)
+    driver.finish(req)
+    return req
+
+
+def _host_free(driver: OfflineDriver) -> int:
+    return driver.cache.cache_controller.mem_pool_host.available_size()
+
+
+@pytest.mark.parametrize("kind", ["stock", "agentcache"])
+def test_hicache_is_attached_with_exactly_the_host_budget(kind):
+    driver = _driver(kind, host_tokens=96)
+    cache = driver.cache
+    assert isinstance(cache, AgentRadixCache) == (kind == "agentcache")
+    assert driver.hicache and cache.cache_controller.mem_pool_host.size == 96 == _host_free(driver)
+    if kind == "agentcache":  # our own host tier is retired: HiCache's pool is the only one
+        assert cache.on_hicache and not cache.spill.enabled and cache.pauses.host.capacity_tokens == 0
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        OfflineHiCache(0).server_fields(POOL, 1)
+    with pytest.raises(ValueError, match="write policy"):
+        OfflineHiCache(64, "write_sometimes").server_fields(POOL, 1)
+
+
+@pytest.mark.parametrize("kind", ["stock", "agentcache"])
+def test_a_prefix_written_back_to_host_loads_back_at_admission(kind):
+    """Write-back: three 54-token sequences overflow the 128-slot pool, so the first goes to host on
+    eviction; its next call loads it back through HiCache (``init_load_back``) and counts it cached."""
+    driver = _driver(kind)
+    a, b, c = _prompts(3)
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        assert _serve(driver, rid, prompt).cached_tokens == 0
+    assert _host_free(driver) < POOL  # the first one was written back when the third needed room
+    again = _serve(driver, "a2", a + [9, 9, 9])
+    assert again.host_hit_length == PROMPT and again.host_loaded_length == PROMPT
+    assert again.cached_tokens == PROMPT and driver.hicache_loaded_tokens == PROMPT
+    report = driver.check()
+    assert report.ok, report.errors
+
+
+@pytest.mark.parametrize("kind", ["stock", "agentcache"])
+def test_a_request_refused_by_the_budget_loads_nothing_from_host(kind):
+    """SGLang checks the prefill budget with the host hit counted as new tokens before it loads: a
+    refused request moves nothing on either tier."""
+    driver = _driver(kind)
+    a, b, c = _prompts(3, seed=2)
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        _serve(driver, rid, prompt)
+    host_free, device_free = _host_free(driver), driver.free_tokens()
+    with pytest.raises(OfflineOutOfMemory):
+        driver.admit("a2", a + [9], extra_key="t", budget=POOL)
+    assert (_host_free(driver), driver.free_tokens(), driver.hicache_loaded_tokens) == (host_free, device_free, 0)
+    assert _serve(driver, "a3", a + [9]).host_loaded_length == PROMPT  # it fits with a small budget
+
+
+@pytest.mark.parametrize("kind", ["stock", "agentcache"])
+def test_write_through_backs_up_at_insert_and_loads_back_after_eviction(kind):
+    driver = _driver(kind, "write_through", host_tokens=2 * POOL)
+    a, b, c = _prompts(3, seed=3)
+    _serve(driver, "a", a)
+    assert _host_free(driver) < 2 * POOL  # backed up on insert, no eviction needed
+    _serve(driver, "b", b)
+    _serve(driver, "c", c)
+    again = _serve(driver, "a2", a + [9])
+    assert again.host_loaded_length == PROMPT and again.cached_tokens == PROMPT
+
+
+@pytest.fixture(scope="module")
+def branch_heavy_runs():
+    trace = generate("branch_heavy", seed=2, scale=0.1)
+    pool = pool_for(trace, "tight")
+    names = ("stock", "hicache", "sglang-hicache", "agentcache", "agentcache-on-hicache")
+    return trace, pool, {name: replay(trace, name, pool_tokens=pool, host_tokens=pool, profile=PROFILES["seed"],
+                                      vocab_size=2**31 - 1) for name in names}
+
+
+def test_the_replay_runs_sglangs_hicache_and_ours_on_it_at_the_same_host_bytes(branch_heavy_runs):
+    trace, pool, runs = branch_heavy_runs
+    stock = runs["stock"]
+    for name in ("sglang-hicache", "agentcache-on-hicache"):
+        r = runs[name]
+        assert r.requests == len(trace.requests) and r.integrity_ok, name
+        assert (r.pool_tokens, r.host_tokens) == (pool, pool), name  # same device pool and host bytes
+        assert r.restored_tokens > 0, name  # host hits loaded back through HiCache
+        assert r.recomputed_tokens < stock.recomputed_tokens, name
+    assert runs["agentcache-on-hicache"].leaked_tokens == 0  # closes delete on every tier
+    assert runs["agentcache-on-hicache"].reclaimed_tokens > 0
+    # SGLang's own write-back and the emulation our tier runs agree closely on this trace.
+    emulated, real = runs["hicache"].recomputed_tokens, runs["sglang-hicache"].recomputed_tokens
+    assert abs(emulated - real) <= 0.1 * real
