@@ -23,10 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-SHOWN = ("stock", "session-radix", "hicache", "infercept", "continuum", "kvflow", "agentcache", "agentcache-inferred",
-         "clairvoyant")
+SHOWN = ("stock", "session-radix", "hicache", "sglang-hicache", "infercept", "continuum", "kvflow", "agentcache",
+         "agentcache-on-hicache", "agentcache-inferred", "clairvoyant")
 OURS = "agentcache"
 INFERRED = "agentcache-inferred"  # ours too (no client hints): never anyone's "best other system"
+ON_HICACHE_POLICY = "agentcache-on-hicache"  # ours too (on SGLang's HiCache): never anyone's "best other system"
+SGLANG_HICACHE = "sglang-hicache"
 
 
 def _cell(s: dict | None) -> str:
@@ -73,7 +75,7 @@ def _grid(body: dict, pressure: str, host: float) -> list[str]:
 def _verdicts(body: dict, pressure: str, host: float) -> list[str]:
     """Ours against the best other non-clairvoyant system of each workload, pass by pass."""
     cmp = [c for c in body["comparisons"] if c["pressure"] == pressure and c["host_ratio"] == host
-           and c["other"] not in ("clairvoyant", INFERRED)]
+           and c["other"] not in ("clairvoyant", INFERRED, ON_HICACHE_POLICY)]
     summary = {(s["workload"], s["policy"]): s["recompute_vs_stock"] for s in body["summary"]
                if s["pressure"] == pressure and s["host_ratio"] in (host, 0.0)}
     out = []
@@ -99,6 +101,33 @@ def _sweep(body: dict) -> list[str]:
                           cfg["workloads"], lambda w, i: cells.get((w, hosts[i])))
 
 
+def _on_hicache(body: dict) -> list[str]:
+    """Ours on SGLang's own HiCache against ours on our own host tier and against SGLang's HiCache, and
+    the write-back emulation against SGLang's own, seed by seed at every host level of the sweep pressure
+    (issue #36 item 3: our own host tier goes only once the HiCache path matches or beats it)."""
+    cfg = body["config"]
+    pressure = cfg["sweep_pressure"]
+    on = [c for c in body.get("comparisons_on_hicache", ()) if c["pressure"] == pressure and c["host_ratio"] > 0]
+    if not on:
+        return []
+    hosts = sorted({c["host_ratio"] for c in on})
+    out = ["Ours on SGLang's own HiCache (`agentcache-on-hicache`: HiCache's host pool and transfers, driven "
+           "offline through SGLang's code, our lifecycle deciding what it holds and deletes) and SGLang's "
+           "HiCache itself (`sglang-hicache`, write-back), each at the same device pool and host bytes as "
+           "the systems on our own host tier; recomputed tokens, seed by seed:", ""]
+    emulation = {(c["workload"], c["host_ratio"]): c for c in body.get("comparisons_hicache_emulation", ())
+                 if c["pressure"] == pressure}
+    for title, cells in (
+            ("ours on HiCache / ours on our host tier", {(c["workload"], c["host_ratio"]): c for c in on
+                                                          if c["other"] == OURS}),
+            ("ours on HiCache / SGLang's HiCache", {(c["workload"], c["host_ratio"]): c for c in on
+                                                    if c["other"] == SGLANG_HICACHE}),
+            ("write-back emulation (`hicache`) / SGLang's HiCache", emulation)):
+        out += _verdict_table(f"**{title}, {pressure} pool**", [f"host {h:g}x" for h in hosts], cfg["workloads"],
+                              lambda w, i, cells=cells: cells.get((w, hosts[i])))
+    return out
+
+
 def _replay(body: dict) -> list[str]:
     cfg = body["config"]
     real = [w for w in cfg["workloads"] if w.startswith("real_")]
@@ -117,6 +146,7 @@ def _replay(body: dict) -> list[str]:
         out += [f"Ours against the best other system (not clairvoyant) per workload, {cfg['sweep_pressure']} pool, "
                 "host tier 1x, seed by seed: " + "; ".join(verdicts) + ".", ""]
     out += _sweep(body)
+    out += _on_hicache(body)
     out += _latency(body)
     out += _inferred(body)
     out += _decisions(body, cfg["sweep_pressure"], 1.0)
@@ -196,9 +226,15 @@ def _sessions(body: dict) -> list[str]:
            "every system of a row has the same device pool and host bytes): the mean of per-session ratios "
            "with a 95% t interval over sessions; a verdict needs that interval and a bootstrap over whole "
            "groups to exclude 1. Resume TTFT counts from the call's trace arrival (modelled times).", ""]
-    for title, comparisons, others in (("ours", body["comparisons"], ("hicache", "kvflow", "stock")),
+    for title, comparisons, others in (("ours", body["comparisons"], ("hicache", SGLANG_HICACHE, "kvflow", "stock")),
                                        ("ours, inferred (no client hints)", body.get("comparisons_inferred", ()),
-                                        ("hicache", "agentcache"))):
+                                        ("hicache", "agentcache")),
+                                       ("ours on SGLang's HiCache", body.get("comparisons_on_hicache", ()),
+                                        ("agentcache", SGLANG_HICACHE, "hicache")),
+                                       ("write-back emulation (`hicache`)",
+                                        body.get("comparisons_hicache_emulation", ()), (SGLANG_HICACHE,))):
+        if not comparisons:
+            continue
         cells = {(c["other"], c["host_ratio"], c["metric"]): c for c in comparisons}
         columns = [label for _, label in _SESSION_COLUMNS]
         out += [f"**{title} / other, per session** | " + " | ".join(columns),
@@ -591,7 +627,7 @@ def _summary(body: dict) -> list[str]:
     pressure = cfg["sweep_pressure"]
     cells = {(s["policy"], s["workload"], s["host_ratio"]): s for s in body["summary"] if s["pressure"] == pressure}
     cmps = {(c["other"], c["workload"], c["host_ratio"]): c for c in body["comparisons"] if c["pressure"] == pressure}
-    others = [p for p in SHOWN if p not in ("stock", OURS, INFERRED, "clairvoyant")]
+    others = [p for p in SHOWN if p not in ("stock", OURS, INFERRED, ON_HICACHE_POLICY, "clairvoyant")]
     out = [f"Recomputed prefill tokens as a ratio to stock SGLang (no host tier) in the same run, lower is better: "
            f"{pressure} device pool, a host tier of 1x the pool for every system that has one, mean ± 95% CI "
            f"half-width over {len(cfg['seeds'])} seeds ({len(cfg['real_seeds'])} for the real traces). "
@@ -644,6 +680,16 @@ def _sessions_summary(body: dict) -> list[str]:
     if parts:
         out += ["Zero-config (`AGENTCACHE_INFER=chat`, no client hints) on the same sessions, recomputed tokens: "
                 + " | ".join(parts) + ".", ""]
+    on = {(c["other"], c["host_ratio"], c["metric"]): c for c in body.get("comparisons_on_hicache", ())}
+    parts = []
+    for host in sorted({h for _, h, _ in on}):
+        got = [f"/ {label} {_session_cell(on.get((other, host, 'recomputed_tokens')))}, resume p99 "
+               f"{_session_cell(on.get((other, host, 'resume_ttft_p99_s')))}"
+               for other, label in (("agentcache", "ours on our own host tier"), (SGLANG_HICACHE, "SGLang's HiCache"))]
+        parts.append(f"host {host:g}x: " + "; ".join(got))
+    if parts:
+        out += ["Ours on SGLang's own HiCache (its host pool, driven offline through SGLang's code) on the same "
+                "sessions, recomputed tokens: " + " | ".join(parts) + ".", ""]
     return out
 
 

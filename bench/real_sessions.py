@@ -2,7 +2,8 @@
 over sessions (the study is ``sgl_agentcache/sim/sessions.py``; its docstring says how and why).
 
 Writes ``real_sessions.json``: the configuration, the groups, one row per (session, system, host size)
-and the comparisons (ours / every other system, and ours without client hints / write-back), each a
+and the comparisons (ours / every other system, ours without client hints / write-back, ours on SGLang's
+HiCache / ours on our own host tier and / SGLang's HiCache, the write-back emulation / SGLang's own), each a
 mean of per-session ratios with a t interval over sessions and a group-bootstrap interval.
 
     SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/real_sessions.py            # every session (~5 min)
@@ -24,6 +25,8 @@ from sgl_agentcache.sim.sessions import (OURS, SessionStudyConfig, analyse, benc
                                          run_study)
 
 INFERRED = "agentcache-inferred"
+ON_HICACHE = "agentcache-on-hicache"
+SGLANG_HICACHE = "sglang-hicache"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     profile = resolve_profile(config.profile)
     report = run_study(config, profile, progress=lambda what: print(f"[real_sessions] {what}", flush=True))
     report["comparisons_inferred"] = [c for c in analyse(report["rows"], INFERRED) if c["other"] in ("hicache", OURS)]
+    # Ours on SGLang's own HiCache against ours on our own host tier and against HiCache (issue #36 item 3),
+    # and the write-back our tier emulates against SGLang's own.
+    report["comparisons_on_hicache"] = [c for c in analyse(report["rows"], ON_HICACHE)
+                                        if c["other"] in ("hicache", SGLANG_HICACHE, OURS)]
+    report["comparisons_hicache_emulation"] = [c for c in analyse(report["rows"], "hicache")
+                                               if c["other"] == SGLANG_HICACHE]
     report["command"] = "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/real_sessions.py" + " --quick" * args.quick
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

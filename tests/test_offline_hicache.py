@@ -126,3 +126,27 @@ def test_the_replay_runs_sglangs_hicache_and_ours_on_it_at_the_same_host_bytes(b
     # SGLang's own write-back and the emulation our tier runs agree closely on this trace.
     emulated, real = runs["hicache"].recomputed_tokens, runs["sglang-hicache"].recomputed_tokens
     assert abs(emulated - real) <= 0.1 * real
+
+
+def test_pauses_price_hicache_write_back_duplicates_as_host_room():
+    """Under write-back a node loaded back keeps its host copy, which HiCache's host eviction releases
+    first when it needs room: pause decisions must count it as room (they read a pool full of such
+    copies as full, and turned offloads into keeps and discards: short_tools, host 1x, 1.09x of the
+    recompute on our own host tier)."""
+    driver = _driver("agentcache")
+    a, b, c = _prompts(3, seed=4)
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        _serve(driver, rid, prompt)
+    _serve(driver, "a2", a + [9])  # a is on the device again, and still on host
+    cache = driver.cache
+    core = cache.tree_core
+    # On both tiers, unlocked, no copy in flight: what drive_host_eviction may release (its index of
+    # duplicates can hold stale entries, which it skips).
+    duplicates = sum(len(cd.host_value) for n in core.full_host_duplicates.values()
+                     for cd in (n.component_data[0],)
+                     if cd.value is not None and cd.host_value is not None and cd.host_lock_ref == 0
+                     and n.write_through_pending_id is None and n.load_back_pending_id is None)
+    assert duplicates >= PROMPT
+    free, room = cache.host_room()
+    host_only = sum(len(n.component_data[0].host_value) for n in core.evictable_host_leaves)
+    assert free == _host_free(driver) and room == free + host_only + duplicates

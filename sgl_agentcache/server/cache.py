@@ -254,13 +254,20 @@ class AgentRadixCache(UnifiedRadixCache):
     def host_room(self) -> tuple[int, int]:
         """(free host tokens, tokens a host copy could get): what pause decisions price host memory
         with. Our host tier: its free room, plus spilled unprotected entries (HostTier.has_room drops
-        them). HiCache: its host pool's free slots, plus host-only leaves (its host eviction takes them)."""
+        them). HiCache: its host pool's free slots, plus host-only leaves (its host eviction takes them)
+        and, under write-back, the host copies of device-resident nodes it can release
+        (``drive_host_eviction`` reclaims those duplicates first): without them a host pool full of
+        copies of what the device holds read as full, and offloads turned into keeps and discards."""
         if not self.on_hicache:
             free = self.pauses.host.free_tokens()
             return free, free + self.spill.droppable_tokens()
+        core = self.tree_core
         free = int(self.cache_controller.mem_pool_host.available_size())
-        leaves = self.tree_core.evictable_host_leaves
-        return free, free + sum(len(n.component_data[FULL].host_value) for n in leaves)
+        room = free + sum(len(n.component_data[FULL].host_value) for n in core.evictable_host_leaves)
+        if self.is_write_back:
+            room += sum(len(n.component_data[FULL].host_value) for n in core.full_host_duplicates.values()
+                        if core._can_reclaim_full_host_duplicate(n))
+        return free, room
 
     def branch_tokens(self, branch: BranchKey) -> int:
         """Tokens ``branch`` holds, on the device and spilled to host. A paused branch's host copy is

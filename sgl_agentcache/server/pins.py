@@ -74,6 +74,8 @@ PINS: tuple[Pin, ...] = (
     Pin(f"{_TREE}._delete_unbacked_device_leaf",
         ("self", "node", "tracker", "device_frees", "host_frees", "cache_actions"),
         "a closed branch's node is deleted on the device and in the host pool at once (never demoted)"),
+    Pin(f"{_TREE}._can_reclaim_full_host_duplicate", ("self", "node"),
+        "a pause prices HiCache's host room with the write-back duplicates its host eviction releases first"),
     Pin(f"{_CACHE}.load_back", ("self", "node_id", "mem_quota", "req"),
         "a prefetch loads a paused branch back through HiCache's own load path"),
     Pin(f"{_CACHE}.ready_to_load_host_cache", ("self",), "a prefetch's copy starts at once"),
