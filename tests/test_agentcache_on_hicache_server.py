@@ -14,7 +14,8 @@ keep. Checked against a real server, under both write policies:
 - HiCache's host eviction follows the lifecycle: a branch paused with OFFLOAD advice keeps its host
   copy while newer sessions' copies go first (LRU would have dropped it: it is the oldest);
 - with our deleting ``file`` store (``server/l3_store.py``), a close deletes the fork's L3 pages too,
-  and the session's pages stay;
+  and the session's pages stay; after a restart (the tree that knew them gone) a tenant purge still
+  deletes every L3 page the tenant wrote, through its purge manifest, and spares the other tenant's;
 - a tenant purge removes the tenant's nodes from HiCache's host pool too, and spares the other tenant;
 - a paused branch pushed out to host is prefetched ("the tool is nearly done") through HiCache's own
   load path, and its next turn finds it on the device.
@@ -299,3 +300,68 @@ def test_a_close_deletes_the_forks_pages_from_the_deleting_file_store(tiny_model
         assert deleted["l3_delete_errors"] == 0
         assert pages() >= history_pages  # the session's own pages stay
         _check(srv)
+
+
+def test_a_tenant_purge_after_a_restart_deletes_its_l3_pages_through_the_manifest(tiny_model, tokens, tmp_path):
+    """A page's L3 key is salted, so once the tree that wrote it is gone only the purge manifest can find
+    it: two tenants send the same prompt to a server with the deleting store; a second server on the
+    same store (a restart: empty tree) purges one tenant; its pages leave the store, the other's stay
+    and still come back from L3."""
+    from sgl_agentcache.server.l3_store import EXTRA_CONFIG, PurgeManifest
+    from sgl_agentcache.tenancy import key_digest
+
+    keys = {"acme": "ak-acme-manifest-test-0123456789", "globex": "ak-globex-manifest-test-0123456789"}
+    admin = "ak-admin-manifest-test-0123456789"
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'admin_keys = ["{key_digest(admin)}"]\n\n'
+                       + "".join(f'[tenants.{name}]\nkeys = ["{key_digest(key)}"]\n\n' for name, key in keys.items()))
+    store = tmp_path / "l3"
+    store.mkdir()
+    pages = lambda: len(list(store.glob("*.bin")))  # noqa: E731
+    prompt_pages = PROMPT_TOKENS // 16
+    prompt = tokens.ids(PROMPT_TOKENS)
+
+    def server(log: str) -> CpuServer:
+        return CpuServer(str(tiny_model.path), log_path=tmp_path / log, max_total_tokens=POOL_TOKENS,
+                         env={"AGENTCACHE_TENANTS": str(tenants), "AGENTCACHE_SECRET": "s" * 48,
+                              "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)},
+                         extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
+                                     "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "2",
+                                     "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
+                                     EXTRA_CONFIG, "--page-size", "16"))
+
+    def call(srv, key, method, path, body=None):
+        status, reply = srv.request(method, path, body, headers={"x-agentcache-key": key})
+        assert status == 200, reply
+        return reply
+
+    def generate(srv, tenant):
+        return call(srv, keys[tenant], "POST", "/generate", {
+            "input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
+
+    first = server("first.log")
+    with first.start():
+        for tenant in keys:  # the same prompt: two salts, so two sets of pages
+            generate(first, tenant)
+        _wait_for(lambda: pages() >= 2 * prompt_pages, "the tenants' pages never reached the store")
+        _wait_for(lambda: call(first, admin, "GET", "/agentcache/check")["idle"], "the first server never went idle")
+        recorded = call(first, admin, "GET", "/agentcache/stats")["hicache"]["deleted"]["l3_pages_recorded"]
+        assert recorded >= 2 * prompt_pages
+    manifests = lambda: {p.name: len(p.read_text().split()) for p in (store / PurgeManifest.DIRECTORY).glob("*.pages")}  # noqa: E731
+    written = manifests()  # each tenant's (and the server warmup's) salt has its own
+    assert sum(n >= prompt_pages for n in written.values()) >= 2, written
+    before = pages()
+
+    second = server("second.log")
+    with second.start():
+        purged = call(second, admin, "POST", "/agentcache/admin/purge", {"tenant": "acme"})
+        assert purged["l3_manifest_purged"] is True, purged
+        _wait_for(lambda: pages() <= before - prompt_pages, "acme's pages stayed in the store")
+        assert pages() >= prompt_pages  # globex's stay
+        gone = set(written) - set(manifests())
+        assert len(gone) == 1 and written[gone.pop()] >= prompt_pages  # acme's manifest went with its pages
+        deleted = call(second, admin, "GET", "/agentcache/stats")["hicache"]["deleted"]
+        assert deleted["l3_pages_purged"] >= prompt_pages and deleted["l3_delete_errors"] == 0, deleted
+        from_l3 = generate(second, "globex")["meta_info"]
+        assert from_l3["cached_tokens_details"]["storage"] >= prompt_pages * 16 - 16, from_l3
+        assert generate(second, "acme")["meta_info"]["cached_tokens"] == 0  # nothing of acme's left anywhere

@@ -194,6 +194,19 @@ class AgentRadixCache(UnifiedRadixCache):
         self.l3 = L3Deleter(self.cache_controller.storage_backend) if self.enable_storage else None
         self.tree_core.mark_reclaim_due()
 
+    def write_backup_storage(self, node_id) -> None:
+        """HiCache writes a node's pages to L3 (``UnifiedRadixCache.write_backup_storage``, called in the
+        same order on every rank); with a deleting store, a salted node's page keys also go into the
+        salt's purge manifest, so a purge reaches them after the node has left the tree
+        (``server/l3_store.py``). Rank-local disk work only, off the scheduler thread."""
+        super().write_backup_storage(node_id)
+        if self.l3 is None or self.l3.manifest is None:
+            return
+        node = self.tree_core.node_by_id(node_id)
+        salt = getattr(node.key, "cache_salt", None)
+        if salt and node.hash_value:
+            self.l3.record(salt, list(node.hash_value))
+
     def _no_host_copy(self, node) -> bool:
         """HiCache write-through asks whether to back ``node`` up: not a terminated node (nobody reads it
         again), nor one of a branch over its quota (the TRIM band: the first to go on either tier)."""
@@ -789,9 +802,11 @@ class AgentRadixCache(UnifiedRadixCache):
         self.contexts.forget_where(lambda b: namespace_salt(b.namespace) == salt)
         freed += self._evict_nodes(self._salted_nodes(salt), budget=None)
         locked = sum(len(n.key) for n in self._salted_nodes(salt) if n.component_data[FULL].value is not None)
+        # L3 pages of the salt's nodes that already left the tree: its purge manifest names them.
+        l3_manifest = self.l3.purge(salt) if self.l3 is not None else False
         return {"branches_closed": len(branches), "freed_tokens": freed,
                 "host_freed_tokens": host_before - pauses.host.used_tokens + self.hicache_deletes["host_tokens"],
-                "locked_tokens": locked}
+                "locked_tokens": locked, "l3_manifest_purged": l3_manifest}
 
     def _salted_nodes(self, salt: str) -> list:
         core = self.tree_core

@@ -16,10 +16,19 @@ L3 pages it could not delete (``/agentcache/stats`` ``hicache.deleted.l3_pages_l
 The cache calls :meth:`L3Deleter.delete` on the scheduler thread; the disk work runs on one worker
 thread of its own, so a purge never stalls a batch. File deletes are rank-local (each TP rank owns its
 own files) and never feed a tree decision, so ranks cannot diverge on them.
+
+**Purge manifest.** A page's key is a hash seeded with its ``cache_salt``, so once its node has left
+the tree (evicted from host, a cache flush, a restart) nothing could find a tenant's pages to purge
+them. :class:`PurgeManifest` keeps, per salt, the keys of every page written to the store for it: an
+append-only file per salt in ``agentcache-manifests/`` beside the pages (named by a hash of the salt,
+never the salt), so it outlives the tree and the process. A purge deletes what the manifest names and
+the manifest with it (:meth:`L3Deleter.purge`). Keys of pages the store later evicted on its own are
+deleted again harmlessly (a missing file is not an error).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,14 +69,49 @@ class DeletingFileStorage(HiCacheFile):
         return removed
 
 
+class PurgeManifest:
+    """Per ``cache_salt``, the L3 page keys written for it (see the module docstring). Not thread-safe:
+    :class:`L3Deleter` calls it from its one worker thread only."""
+
+    DIRECTORY = "agentcache-manifests"
+
+    def __init__(self, store_path: str):
+        self.root = os.path.join(store_path, self.DIRECTORY)
+        os.makedirs(self.root, exist_ok=True)
+
+    def path(self, salt: str) -> str:
+        """The salt's manifest file: named by a digest, so a salt never becomes a path."""
+        return os.path.join(self.root, hashlib.sha256(salt.encode()).hexdigest()[:32] + ".pages")
+
+    def record(self, salt: str, keys) -> None:
+        """Append ``keys`` (pages written for ``salt``)."""
+        with open(self.path(salt), "a", encoding="ascii") as f:
+            f.write("".join(f"{key}\n" for key in keys))
+
+    def take(self, salt: str) -> list[str]:
+        """Every key recorded for ``salt``, removing its manifest (none: an empty list)."""
+        path = self.path(salt)
+        try:
+            with open(path, encoding="ascii") as f:
+                keys = [line.strip() for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+        os.remove(path)
+        return list(dict.fromkeys(keys))
+
+
 class L3Deleter:
-    """Deletes pages from the cache's storage backend off the scheduler thread (one worker, in order)."""
+    """Deletes pages from the cache's storage backend off the scheduler thread (one worker, in order),
+    and keeps the purge manifest of a store on disk (:class:`PurgeManifest`)."""
 
     def __init__(self, backend):
         self.delete_keys = getattr(backend, "delete_keys", None)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentcache-l3-delete") \
             if self.delete_keys is not None else None
-        self.counters = {"l3_pages_deleted": 0, "l3_files_removed": 0, "l3_pages_left": 0, "l3_delete_errors": 0}
+        store_path = getattr(backend, "file_path", None)
+        self.manifest = PurgeManifest(store_path) if self._pool is not None and store_path else None
+        self.counters = {"l3_pages_deleted": 0, "l3_files_removed": 0, "l3_pages_left": 0, "l3_delete_errors": 0,
+                         "l3_pages_recorded": 0, "l3_pages_purged": 0}
         self._last: Future | None = None
 
     @property
@@ -83,14 +127,37 @@ class L3Deleter:
             self.counters["l3_pages_left"] += len(keys)
             return
         self.counters["l3_pages_deleted"] += len(keys)
-        self._last = self._pool.submit(self._run, list(keys))
+        self._last = self._pool.submit(self._guarded, "deleting", self._delete, list(keys))
 
-    def _run(self, keys: list[str]) -> None:
+    def record(self, salt: str, keys: list[str]) -> None:
+        """Pages written to the store for ``salt``: into its manifest (off-thread, in order with deletes)."""
+        if self.manifest is None or not keys:
+            return
+        self.counters["l3_pages_recorded"] += len(keys)
+        self._last = self._pool.submit(self._guarded, "recording", self.manifest.record, salt, list(keys))
+
+    def purge(self, salt: str) -> bool:
+        """Delete every page the manifest names for ``salt``, in the tree or not, and the manifest.
+        Returns whether this store keeps a manifest (else pages of nodes gone from the tree stay)."""
+        if self.manifest is None:
+            return False
+        self._last = self._pool.submit(self._guarded, "purging", self._purge, salt)
+        return True
+
+    def _purge(self, salt: str) -> None:
+        keys = self.manifest.take(salt)
+        self.counters["l3_pages_purged"] += len(keys)
+        self.counters["l3_files_removed"] += self.delete_keys(keys)
+
+    def _delete(self, keys: list[str]) -> None:
+        self.counters["l3_files_removed"] += self.delete_keys(keys)
+
+    def _guarded(self, what: str, fn, *args) -> None:
         try:
-            self.counters["l3_files_removed"] += self.delete_keys(keys)
+            fn(*args)
         except Exception:  # noqa: BLE001 - a failed delete leaves pages for the store's eviction; never fatal
             self.counters["l3_delete_errors"] += 1
-            logger.exception("agentcache: deleting %d L3 pages failed", len(keys))
+            logger.exception("agentcache: %s L3 pages failed", what)
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for the deletes queued so far (tests, the idle check)."""
@@ -98,4 +165,4 @@ class L3Deleter:
             self._last.result(timeout=timeout)
 
 
-__all__ = ["DeletingFileStorage", "EXTRA_CONFIG", "L3Deleter"]
+__all__ = ["DeletingFileStorage", "EXTRA_CONFIG", "L3Deleter", "PurgeManifest"]

@@ -79,6 +79,8 @@ PINS: tuple[Pin, ...] = (
     Pin(f"{_CACHE}.load_back", ("self", "node_id", "mem_quota", "req"),
         "a prefetch loads a paused branch back through HiCache's own load path"),
     Pin(f"{_CACHE}.ready_to_load_host_cache", ("self",), "a prefetch's copy starts at once"),
+    Pin(f"{_CACHE}.write_backup_storage", ("self", "node_id"),
+        "a salted node's L3 pages go into its salt's purge manifest as HiCache writes them"),
     Pin(f"{_CACHE}.has_free_load_back_slot", ("self",), "a prefetch is skipped while every HiCache load-back slot is busy"),
     Pin("sglang.srt.mem_cache.hicache_storage:HiCacheFile.__init__", ("self", "storage_config", "file_path"),
         "DeletingFileStorage (server/l3_store.py) is the file backend plus per-page deletes"),
