@@ -41,6 +41,7 @@ bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/replay_vs_server.py
+	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/l3_failover.py
 	$(PY) bench/readme_results.py --write
 
 ## bench-quick: a smoke run of the same benchmarks (small traces, few seeds) into $(QUICK_OUT); commits nothing.

@@ -527,6 +527,38 @@ def _hicache_emulation(body: dict) -> list[str]:
             f"{verdict} the 5% target.", ""]
 
 
+def _l3_failover(body: dict) -> list[str]:
+    """A worker stopped mid-session: its sessions on the survivor, from the shared L3 store or cold."""
+    cfg, cmp = body["config"], body["comparisons"]
+    out = [f"**A worker dies** (`bench/l3_failover.py`; two workers running ours on SGLang's HiCache, write-through, "
+           f"pool {cfg['pool_tokens']} tokens and host {cfg['host_ratio']}x per worker, behind SGLang's router; "
+           f"{cfg['sessions']} sessions of a {cfg['history']}-token history, worker 1 stopped after "
+           f"{cfg['turns_before']} turns, {cfg['turns_after']} turns after; `{cfg['model_shape']}` model, CPU): "
+           "per session after the move, `l3` (both workers share one `file` store) against `cold` (no store): "
+           "means over sessions with 95% t intervals, and l3 / cold as the ratio of the means with the "
+           "conservative interval the two give. The survivor's pool holds every session, so its own sessions "
+           "are the control.", "",
+           "sessions (l3 / cold runs) | prefill computed after the move: l3, cold, l3 / cold | "
+           "first call's latency (s): l3, cold, l3 / cold",
+           "---|---|---"]
+
+    def side(c: dict, fmt: str) -> str:
+        return f"{c['mean']:{fmt}} [{c['ci95'][0]:{fmt}}, {c['ci95'][1]:{fmt}}]"
+
+    for group in ("moved", "stayed"):
+        a, b = cmp.get(f"{group}:computed_tokens"), cmp.get(f"{group}:first_call_latency_s")
+        if a is None or b is None:
+            continue
+        cells = [f"{side(c['l3'], fmt)}, {side(c['cold'], fmt)}, {c['ratio']:.2f}x "
+                 f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}" for c, fmt in ((a, ".0f"), (b, ".3f"))]
+        out.append(f"{group} ({a['l3']['sessions']} / {a['cold']['sessions']}) | " + " | ".join(cells))
+    storage = [r["first_call_storage_tokens"] for r in body["rows"] if r["moved"] and r["condition"] == "l3"]
+    if storage:
+        out += ["", f"Each moved session's first call after the move, `l3`: {min(storage)}-{max(storage)} tokens "
+                "from the store (`cached_tokens_details.storage`); `cold`: none from anywhere."]
+    return out + [""]
+
+
 def _passwise(v: dict) -> str:
     """A pass-by-pass ratio of server_recompute.json or cluster_recompute.json: ``0.91x [0.88, 0.94]``."""
     return f"{v['mean']:.2f}x [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]"
@@ -730,7 +762,7 @@ def render() -> str:
                     ("inference_attribution.json", _attribution), ("admission.json", _admission),
                     ("server_recompute.json", _server), (ON_HICACHE, _server_on_hicache),
                     (ADMISSION_SERVER, _server_admission), (SERVER_SEEDS, _server_seeds),
-                    ("cluster_recompute.json", _cluster),
+                    ("cluster_recompute.json", _cluster), ("l3_failover.json", _l3_failover),
                     ("replay_vs_server.json", _replay_vs_server), ("tree_overhead.json", _overhead),
                     ("soak.json", _soak)))
 

@@ -1,5 +1,5 @@
 """Two agentcache workers on SGLang's HiCache sharing one L3 ``file`` store, behind SGLang's router
-(issue #36 item 5).
+(issue #36 item 5), and the benchmark that measures it (``bench/l3_failover.py``).
 
 Each worker runs our backend on HiCache (write-through, so a session's pages reach the store while it
 runs) with the same ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``; the router runs ``--policy manual``
@@ -11,10 +11,12 @@ survivor's own sessions keep their device cache.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
 import pytest
+from bench_module import load_bench
 
 from sgl_agentcache.cpu_server import CpuServer
 from sgl_agentcache.gateway import gateway_headers
@@ -87,3 +89,24 @@ def test_a_killed_workers_sessions_continue_from_the_shared_l3_store(tiny_model,
         router.stop()
         for worker in workers:
             worker.stop()
+
+
+def test_the_failover_benchmark_measures_moved_sessions_against_cold(tmp_path):
+    """``bench/l3_failover.py --quick``: with the shared store a moved session's first call after the
+    move loads its history from L3 and computes only what is new; without one it computes everything;
+    the survivor's own sessions compute the same in both runs."""
+    if not router_available():
+        pytest.fail("sglang_router is not importable: install the test extra (it pins sglang-router==0.3.2)")
+    bench = load_bench("l3_failover")
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "l3_failover_quick.json").read_text())
+    cfg, rows = result["config"], result["rows"]
+    moved = {c: [r for r in rows if r["condition"] == c and r["moved"]] for c in ("l3", "cold")}
+    assert moved["l3"] and moved["cold"], result["placed"]  # min_group puts a session on each worker
+    for r in moved["l3"]:
+        assert r["first_call_storage_tokens"] >= cfg["history"] // bench.PAGE * bench.PAGE, r
+        assert r["computed_tokens"] < r["input_tokens"] - cfg["history"] // 2, r
+    assert all(r["computed_tokens"] == r["input_tokens"] for r in moved["cold"])  # cold: everything again
+    stayed = {(r["condition"], r["session"]): r["computed_tokens"] for r in rows if not r["moved"]}
+    both = {s for c, s in stayed if ("l3", s) in stayed and ("cold", s) in stayed}
+    assert all(stayed[("l3", s)] == stayed[("cold", s)] for s in both)
