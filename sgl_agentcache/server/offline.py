@@ -67,9 +67,9 @@ from __future__ import annotations
 
 import weakref
 from array import array
-from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
