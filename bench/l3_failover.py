@@ -13,10 +13,11 @@ worker 1 is stopped; the router re-pins its sessions to worker 0, and every sess
 
 Measured per session after the move: prefill tokens computed (``input - cached``) over its calls, the
 first call's latency (4 output tokens, wall clock, CPU) and where its cached tokens came from
-(``cached_tokens_details``: device / host / storage). Per condition, the moved sessions' mean with a 95%
-Student-t interval over sessions, and ``l3`` / ``cold`` as the ratio of the means with the conservative
-interval the two give (:func:`summarize`); the router picks each session's worker (ties at random), so
-the moved groups differ between runs and are compared as samples. The survivor's own sessions are the
+(``cached_tokens_details``: device / host / storage). Per condition, the moved sessions' mean with a
+97.5% Student-t interval over sessions, and ``l3`` / ``cold`` as the ratio of the means with the
+conservative 95% interval the two give (:func:`summarize`); the router picks each session's worker (ties
+at random), so the moved groups differ between runs and are compared as samples. One run per condition:
+the intervals are over sessions within a run, not over runs (run-to-run machine noise is not in them). The survivor's own sessions are the
 control: its pool holds every session, so the move evicts none of them. Sessions are independent samples
 (their prompts share nothing).
 
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -40,7 +43,6 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 from sgl_agentcache.cpu_server import CpuServer  # noqa: E402
 from sgl_agentcache.gateway import gateway_headers  # noqa: E402
 from sgl_agentcache.router_process import RouterProcess, router_available  # noqa: E402
-from sgl_agentcache.sim.suite import mean_ci  # noqa: E402
 from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
 
 PAGE = 16
@@ -97,13 +99,15 @@ def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
         for worker in workers:
             worker.start()
         router.start()
+        sent = {}
         for _ in range(cfg["turns_before"]):
             for session, ids in sessions.items():
                 out, _ = _turn(router, session, ids)
+                sent[session] = len(ids)
                 ids += out["output_ids"] + fresh(cfg["turn_tokens"])
         placed = {session: _holder(workers, session) for session in sessions}
-        if condition == "l3":  # write-through backs each history up; its pages reach the store steps later
-            pages = cfg["sessions"] * (cfg["history"] // PAGE)
+        if condition == "l3":  # write-through backs each prompt up; its full pages reach the store steps later
+            pages = sum(n // PAGE for n in sent.values())
             deadline = time.monotonic() + 120
             while len(list(store.glob("*.bin"))) < pages:
                 if time.monotonic() > deadline:
@@ -127,17 +131,24 @@ def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
     return {"placed": placed, "after": after}
 
 
-def _interval(values: list[float]) -> dict:
-    mean, lo, hi = mean_ci(values)
-    return {"sessions": len(values), "mean": mean, "ci95": [lo, hi]}
+def _interval(values: list[float], level: float) -> dict:
+    """Mean and Student-t interval at ``level`` (a single value: no interval)."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(values)
+    half = (float(t.ppf(0.5 + level / 2, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+            if len(values) > 1 else math.nan)
+    return {"sessions": len(values), "mean": mean, "ci": [mean - half, mean + half], "level": level}
 
 
 def summarize(runs: dict) -> dict:
     """Per session after the move: computed tokens, first-call latency and cache sources. Per condition
-    and group (moved, stayed), the mean over its sessions with a 95% t interval; and l3 / cold as the
-    ratio of the means, with the conservative interval the two intervals give (l3's low end over cold's
-    high end, and the reverse). Which sessions a worker gets is the router's choice (``min_group``
-    breaks ties at random), so the groups are compared as samples, not session by session."""
+    and group (moved, stayed), the mean over its sessions with a 97.5% t interval; and l3 / cold as the
+    ratio of the means, with the interval the two give (l3's low end over cold's high end, and the
+    reverse): both hold at once with probability at least 95% (Bonferroni), so it is a conservative 95%
+    interval. Which sessions a worker gets is the router's choice (``min_group`` breaks ties at random),
+    so the groups are compared as samples, not session by session. Each condition is one run: the
+    intervals are over sessions within it, not over runs."""
     rows = []
     for condition, run in runs.items():
         for session, calls in run["after"].items():
@@ -153,9 +164,9 @@ def summarize(runs: dict) -> dict:
             side = {c: [r[metric] for r in rows if r["condition"] == c and r["moved"] == moved] for c in CONDITIONS}
             if min(len(v) for v in side.values()) < 2:
                 continue
-            l3, cold = _interval(side["l3"]), _interval(side["cold"])
-            lo = l3["ci95"][0] / cold["ci95"][1] if cold["ci95"][1] > 0 else float("nan")
-            hi = l3["ci95"][1] / cold["ci95"][0] if cold["ci95"][0] > 0 else float("inf")
+            l3, cold = _interval(side["l3"], 0.975), _interval(side["cold"], 0.975)
+            lo = l3["ci"][0] / cold["ci"][1] if cold["ci"][1] > 0 else float("nan")
+            hi = l3["ci"][1] / cold["ci"][0] if cold["ci"][0] > 0 else float("inf")
             verdict = "better" if hi < 1.0 else "worse" if lo > 1.0 else "tie"
             comparisons[f"{group}:{metric}"] = {"l3": l3, "cold": cold, "ratio": l3["mean"] / cold["mean"],
                                                 "ci95": [lo, hi], "verdict": verdict}

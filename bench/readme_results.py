@@ -104,27 +104,28 @@ def _sweep(body: dict) -> list[str]:
 def _on_hicache(body: dict) -> list[str]:
     """Ours on SGLang's own HiCache against ours on our own host tier and against SGLang's HiCache, and
     the write-back emulation against SGLang's own, seed by seed at every host level of the sweep pressure
-    (issue #36 item 3: our own host tier goes only once the HiCache path matches or beats it)."""
+    and at host 1x of the other pressures (issue #36 item 3: our own host tier goes only once the HiCache
+    path matches or beats it)."""
     cfg = body["config"]
-    pressure = cfg["sweep_pressure"]
-    on = [c for c in body.get("comparisons_on_hicache", ()) if c["pressure"] == pressure and c["host_ratio"] > 0]
-    if not on:
+    sweep = cfg["sweep_pressure"]
+    on = body.get("comparisons_on_hicache", ())
+    columns = sorted({(sweep, c["host_ratio"]) for c in on if c["pressure"] == sweep and c["host_ratio"] > 0},
+                     key=lambda col: col[1])
+    columns += sorted({(c["pressure"], 1.0) for c in on if c["pressure"] != sweep and c["host_ratio"] == 1.0})
+    if not columns:
         return []
-    hosts = sorted({c["host_ratio"] for c in on})
     out = ["Ours on SGLang's own HiCache (`agentcache-on-hicache`: HiCache's host pool and transfers, driven "
            "offline through SGLang's code, our lifecycle deciding what it holds and deletes) and SGLang's "
            "HiCache itself (`sglang-hicache`, write-back), each at the same device pool and host bytes as "
            "the systems on our own host tier; recomputed tokens, seed by seed:", ""]
-    emulation = {(c["workload"], c["host_ratio"]): c for c in body.get("comparisons_hicache_emulation", ())
-                 if c["pressure"] == pressure}
-    for title, cells in (
-            ("ours on HiCache / ours on our host tier", {(c["workload"], c["host_ratio"]): c for c in on
-                                                          if c["other"] == OURS}),
-            ("ours on HiCache / SGLang's HiCache", {(c["workload"], c["host_ratio"]): c for c in on
-                                                    if c["other"] == SGLANG_HICACHE}),
-            ("write-back emulation (`hicache`) / SGLang's HiCache", emulation)):
-        out += _verdict_table(f"**{title}, {pressure} pool**", [f"host {h:g}x" for h in hosts], cfg["workloads"],
-                              lambda w, i, cells=cells: cells.get((w, hosts[i])))
+    keyed = lambda comparisons, other: {(c["workload"], c["pressure"], c["host_ratio"]): c  # noqa: E731
+                                        for c in comparisons if c["other"] == other}
+    for title, cells in (("ours on HiCache / ours on our host tier", keyed(on, OURS)),
+                         ("ours on HiCache / SGLang's HiCache", keyed(on, SGLANG_HICACHE)),
+                         ("write-back emulation (`hicache`) / SGLang's HiCache",
+                          keyed(body.get("comparisons_hicache_emulation", ()), SGLANG_HICACHE))):
+        out += _verdict_table(f"**{title}**", [f"{p} pool, host {h:g}x" for p, h in columns], cfg["workloads"],
+                              lambda w, i, cells=cells: cells.get((w, *columns[i])))
     return out
 
 
@@ -535,15 +536,16 @@ def _l3_failover(body: dict) -> list[str]:
            f"{cfg['sessions']} sessions of a {cfg['history']}-token history, worker 1 stopped after "
            f"{cfg['turns_before']} turns, {cfg['turns_after']} turns after; `{cfg['model_shape']}` model, CPU): "
            "per session after the move, `l3` (both workers share one `file` store) against `cold` (no store): "
-           "means over sessions with 95% t intervals, and l3 / cold as the ratio of the means with the "
-           "conservative interval the two give. The survivor's pool holds every session, so its own sessions "
-           "are the control.", "",
+           "means over sessions with 97.5% t intervals, and l3 / cold as the ratio of the means with the "
+           "conservative 95% interval the two give. One run per condition: the intervals are over sessions "
+           "within a run, not over runs, and the prefill counts are deterministic (no spread at all). The "
+           "survivor's pool holds every session, so its own sessions are the control.", "",
            "sessions (l3 / cold runs) | prefill computed after the move: l3, cold, l3 / cold | "
            "first call's latency (s): l3, cold, l3 / cold",
            "---|---|---"]
 
     def side(c: dict, fmt: str) -> str:
-        return f"{c['mean']:{fmt}} [{c['ci95'][0]:{fmt}}, {c['ci95'][1]:{fmt}}]"
+        return f"{c['mean']:{fmt}} [{c['ci'][0]:{fmt}}, {c['ci'][1]:{fmt}}]"
 
     for group in ("moved", "stayed"):
         a, b = cmp.get(f"{group}:computed_tokens"), cmp.get(f"{group}:first_call_latency_s")

@@ -23,10 +23,9 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 from sgl_agentcache.policy.profiles import resolve_profile  # noqa: E402
 from sgl_agentcache.sim.sessions import (OURS, SessionStudyConfig, analyse, bench_arguments, quick_sample,  # noqa: E402
                                          run_study)
+from sgl_agentcache.sim.suite import ON_HICACHE, SGLANG_HICACHE  # noqa: E402
 
 INFERRED = "agentcache-inferred"
-ON_HICACHE = "agentcache-on-hicache"
-SGLANG_HICACHE = "sglang-hicache"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,9 +65,27 @@ def test_a_purge_deletes_every_page_the_manifest_names_across_restarts(tmp_path,
     restarted.drain(timeout=10)
     assert not store.exists("a1") and not store.exists("a2") and store.exists("b1")
     assert restarted.counters["l3_pages_purged"] == 2 and restarted.counters["l3_files_removed"] == 2
-    manifests = PurgeManifest(str(tmp_path))
+    manifests = restarted.manifest
     assert not os.path.exists(manifests.path("tenant-a/../x")) and os.path.exists(manifests.path("tenant-b"))
     assert restarted.purge("tenant-a/../x")  # nothing left to purge: not an error
     restarted.drain(timeout=10)
     assert restarted.counters["l3_pages_purged"] == 2
     assert not L3Deleter(object()).purge("tenant-b")  # a backend without deletes keeps no manifest
+
+
+def test_a_purge_keeps_the_pages_of_nodes_it_could_not_free(tmp_path, monkeypatch):
+    """Pages of nodes a purge could not free yet (locked) stay in the store and in the manifest, so the
+    next purge reaches them; the manifest is per TP rank (the store's file suffix)."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    store = DeletingFileStorage(_config(), {})
+    for key in ("x1", "x2"):
+        store.set(key, torch.zeros(8))
+    deleter = L3Deleter(store)
+    assert deleter.manifest.path("t").endswith(store.tp_config_suffix + ".pages")
+    deleter.record("t", ["x1", "x2"])
+    deleter.purge("t", keep=["x2"])
+    deleter.drain(timeout=10)
+    assert not store.exists("x1") and store.exists("x2")
+    deleter.purge("t")
+    deleter.drain(timeout=10)
+    assert not store.exists("x2") and deleter.counters["l3_pages_purged"] == 2

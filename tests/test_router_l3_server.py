@@ -19,30 +19,22 @@ import pytest
 from bench_module import load_bench
 
 from sgl_agentcache.cpu_server import CpuServer
-from sgl_agentcache.gateway import gateway_headers
 from sgl_agentcache.router_process import RouterProcess, router_available
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 PAGE = 16
 HISTORY = 256  # tokens of each session's first prompt: 16 full pages
-GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+FAILOVER = load_bench("l3_failover")  # its helpers serve the test too
 
 
 def _turn(router: RouterProcess, session: str, ids: list[int]) -> dict:
-    status, out = router.request("POST", "/generate", {"input_ids": ids, "sampling_params": GREEDY},
-                                 headers=gateway_headers({"session": session}))
-    assert status == 200, out
-    return out
+    return FAILOVER._turn(router, session, ids)[0]
 
 
-def _holder(workers, session: str) -> int:
-    for i, worker in enumerate(workers):
-        status, stats = worker.request("GET", "/agentcache/stats")
-        assert status == 200, stats
-        if any(b["session"] == session for b in stats["branches"]):
-            return i
-    raise AssertionError(f"no worker holds {session}")
+_holder = FAILOVER._holder
 
 
 def test_a_killed_workers_sessions_continue_from_the_shared_l3_store(tiny_model, tmp_path):
@@ -97,7 +89,7 @@ def test_the_failover_benchmark_measures_moved_sessions_against_cold(tmp_path):
     the survivor's own sessions compute the same in both runs."""
     if not router_available():
         pytest.fail("sglang_router is not importable: install the test extra (it pins sglang-router==0.3.2)")
-    bench = load_bench("l3_failover")
+    bench = FAILOVER
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "l3_failover_quick.json").read_text())
     cfg, rows = result["config"], result["rows"]

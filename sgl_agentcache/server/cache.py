@@ -35,6 +35,7 @@ from contextlib import contextmanager
 
 import msgspec
 import torch
+from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -199,9 +200,10 @@ class AgentRadixCache(UnifiedRadixCache):
         same order on every rank); with a deleting store, a salted node's page keys also go into the
         salt's purge manifest, so a purge reaches them after the node has left the tree
         (``server/l3_store.py``). Rank-local disk work only, off the scheduler thread."""
+        queued = len(self.ongoing_backup)
         super().write_backup_storage(node_id)
-        if self.l3 is None or self.l3.manifest is None:
-            return
+        if self.l3 is None or self.l3.manifest is None or len(self.ongoing_backup) == queued:
+            return  # no store that deletes, or nothing was written
         node = self.tree_core.node_by_id(node_id)
         salt = getattr(node.key, "cache_salt", None)
         if salt and node.hash_value:
@@ -277,7 +279,7 @@ class AgentRadixCache(UnifiedRadixCache):
         core = self.tree_core
         free = int(self.cache_controller.mem_pool_host.available_size())
         room = free + sum(len(n.component_data[FULL].host_value) for n in core.evictable_host_leaves)
-        if self.is_write_back:
+        if self.is_write_back and not envs.SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM.get():
             room += sum(len(n.component_data[FULL].host_value) for n in core.full_host_duplicates.values()
                         if core._can_reclaim_full_host_duplicate(n))
         return free, room
@@ -802,8 +804,13 @@ class AgentRadixCache(UnifiedRadixCache):
         self.contexts.forget_where(lambda b: namespace_salt(b.namespace) == salt)
         freed += self._evict_nodes(self._salted_nodes(salt), budget=None)
         locked = sum(len(n.key) for n in self._salted_nodes(salt) if n.component_data[FULL].value is not None)
-        # L3 pages of the salt's nodes that already left the tree: its purge manifest names them.
-        l3_manifest = self.l3.purge(salt) if self.l3 is not None else False
+        # L3 pages of the salt's nodes that already left the tree: its purge manifest names them. Nodes
+        # still here (locked by a running request or an L3 write in flight) stay in the manifest, so a
+        # later purge or eviction can still reach their pages.
+        l3_manifest = False
+        if self.l3 is not None:
+            kept = [h for n in self._salted_nodes(salt) for h in (n.hash_value or ())]
+            l3_manifest = self.l3.purge(salt, keep=kept)
         return {"branches_closed": len(branches), "freed_tokens": freed,
                 "host_freed_tokens": host_before - pauses.host.used_tokens + self.hicache_deletes["host_tokens"],
                 "locked_tokens": locked, "l3_manifest_purged": l3_manifest}

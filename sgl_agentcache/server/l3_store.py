@@ -75,28 +75,35 @@ class PurgeManifest:
 
     DIRECTORY = "agentcache-manifests"
 
-    def __init__(self, store_path: str):
+    def __init__(self, store_path: str, suffix: str = ""):
+        """``suffix``: the store's per-rank file suffix (``HiCacheFile.tp_config_suffix``): every TP rank
+        writes, and deletes, its own files of a page, so each keeps its own manifest."""
         self.root = os.path.join(store_path, self.DIRECTORY)
+        self.suffix = suffix
         os.makedirs(self.root, exist_ok=True)
 
     def path(self, salt: str) -> str:
         """The salt's manifest file: named by a digest, so a salt never becomes a path."""
-        return os.path.join(self.root, hashlib.sha256(salt.encode()).hexdigest()[:32] + ".pages")
+        return os.path.join(self.root, hashlib.sha256(salt.encode()).hexdigest()[:32] + self.suffix + ".pages")
 
     def record(self, salt: str, keys) -> None:
-        """Append ``keys`` (pages written for ``salt``)."""
+        """Append ``keys`` (pages written for ``salt``). Workers sharing a store append to one file: one
+        ``write`` of whole lines, in append mode."""
         with open(self.path(salt), "a", encoding="ascii") as f:
             f.write("".join(f"{key}\n" for key in keys))
 
     def take(self, salt: str) -> list[str]:
-        """Every key recorded for ``salt``, removing its manifest (none: an empty list)."""
+        """Every key recorded for ``salt``, removing its manifest (none: an empty list). The file is
+        renamed away before it is read, so a key another worker appends meanwhile starts a new one."""
         path = self.path(salt)
+        taken = f"{path}.{os.getpid()}.taken"
         try:
-            with open(path, encoding="ascii") as f:
-                keys = [line.strip() for line in f if line.strip()]
+            os.rename(path, taken)
         except FileNotFoundError:
             return []
-        os.remove(path)
+        with open(taken, encoding="ascii") as f:
+            keys = [line.strip() for line in f if line.strip()]
+        os.remove(taken)
         return list(dict.fromkeys(keys))
 
 
@@ -109,7 +116,8 @@ class L3Deleter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentcache-l3-delete") \
             if self.delete_keys is not None else None
         store_path = getattr(backend, "file_path", None)
-        self.manifest = PurgeManifest(store_path) if self._pool is not None and store_path else None
+        self.manifest = (PurgeManifest(store_path, getattr(backend, "tp_config_suffix", ""))
+                         if self._pool is not None and store_path else None)
         self.counters = {"l3_pages_deleted": 0, "l3_files_removed": 0, "l3_pages_left": 0, "l3_delete_errors": 0,
                          "l3_pages_recorded": 0, "l3_pages_purged": 0}
         self._last: Future | None = None
@@ -136,18 +144,22 @@ class L3Deleter:
         self.counters["l3_pages_recorded"] += len(keys)
         self._last = self._pool.submit(self._guarded, "recording", self.manifest.record, salt, list(keys))
 
-    def purge(self, salt: str) -> bool:
-        """Delete every page the manifest names for ``salt``, in the tree or not, and the manifest.
-        Returns whether this store keeps a manifest (else pages of nodes gone from the tree stay)."""
+    def purge(self, salt: str, keep=()) -> bool:
+        """Delete every page the manifest names for ``salt``, in the tree or not, except ``keep`` (pages of
+        nodes the purge could not free yet: they go back into the manifest). Returns whether this store
+        keeps a manifest (else pages of nodes gone from the tree stay)."""
         if self.manifest is None:
             return False
-        self._last = self._pool.submit(self._guarded, "purging", self._purge, salt)
+        self._last = self._pool.submit(self._guarded, "purging", self._purge, salt, set(keep))
         return True
 
-    def _purge(self, salt: str) -> None:
+    def _purge(self, salt: str, keep: set[str]) -> None:
         keys = self.manifest.take(salt)
-        self.counters["l3_pages_purged"] += len(keys)
-        self.counters["l3_files_removed"] += self.delete_keys(keys)
+        doomed = [k for k in keys if k not in keep]
+        if keep:
+            self.manifest.record(salt, [k for k in keys if k in keep])
+        self.counters["l3_pages_purged"] += len(doomed)
+        self.counters["l3_files_removed"] += self.delete_keys(doomed)
 
     def _delete(self, keys: list[str]) -> None:
         self.counters["l3_files_removed"] += self.delete_keys(keys)

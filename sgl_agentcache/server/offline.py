@@ -836,11 +836,11 @@ class OfflineDriver:
         req.host_loaded_length = loaded
         self.hicache_loaded_tokens += loaded
         if loaded:
+            lock = cache.lock(last_node)  # before letting the old one go: a failure leaves req.lock valid
             cache.unlock(req.lock)
-            req.last_node = last_node
+            req.lock, req.last_node = lock, last_node
             req.prefix_len += loaded
             if cache.load_back_is_cache_owned():
                 req.kv.cache_protected_len = req.prefix_len
-            req.lock = cache.lock(req.last_node)
         cache.ready_to_load_host_cache()
         cache.check_hicache_events()

@@ -40,6 +40,7 @@ import time
 import zlib
 from array import array
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -287,9 +288,6 @@ class _Run:
         host_tokens = 0 if policy.reference else host_tokens  # stock SGLang has no host tier
         longest = max((r.input_tokens + max(r.output_tokens, 1) for r in trace.requests), default=1)
         hicache = OfflineHiCache(host_tokens, policy.hicache) if policy.hicache and host_tokens > 0 else None
-        if hicache is not None:
-            for name in _HICACHE_NARRATORS:
-                logging.getLogger(name).setLevel(logging.ERROR)
         self.cache = build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_live, context_len=longest,
                                          stock=policy.stock, enable_session_radix_cache=policy.session_radix,
                                          hicache=hicache)
@@ -1038,7 +1036,22 @@ def replay(trace: Trace, policy: str | ReplayPolicy, *, pool_tokens: int, host_t
     started = time.perf_counter()
     if isinstance(admission, str):
         admission = AdmissionSettings(strategy=admission)
-    result = _Run(trace, policy, pool_tokens, host_tokens, profile, vocab_size, max_live, future, timeline,
-                  admission).run()
+    with _quiet(_HICACHE_NARRATORS if policy.hicache else ()):
+        result = _Run(trace, policy, pool_tokens, host_tokens, profile, vocab_size, max_live, future, timeline,
+                      admission).run()
     result.wall_s = time.perf_counter() - started
     return result
+
+
+@contextmanager
+def _quiet(names: tuple[str, ...]):
+    """Raise the loggers ``names`` to ERROR for the block, then restore their levels."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
