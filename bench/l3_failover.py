@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +41,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 from sgl_agentcache.cpu_server import CpuServer  # noqa: E402
 from sgl_agentcache.gateway import gateway_headers  # noqa: E402
 from sgl_agentcache.router_process import RouterProcess, router_available  # noqa: E402
+from sgl_agentcache.sim.suite import mean_ci  # noqa: E402
 from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
 
 PAGE = 16
@@ -133,12 +132,8 @@ def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
 
 def _interval(values: list[float], level: float) -> dict:
     """Mean and Student-t interval at ``level`` (a single value: no interval)."""
-    from scipy.stats import t
-
-    mean = statistics.fmean(values)
-    half = (float(t.ppf(0.5 + level / 2, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
-            if len(values) > 1 else math.nan)
-    return {"sessions": len(values), "mean": mean, "ci": [mean - half, mean + half], "level": level}
+    mean, lo, hi = mean_ci(values, level)
+    return {"sessions": len(values), "mean": mean, "ci": [lo, hi], "level": level}
 
 
 def summarize(runs: dict) -> dict:

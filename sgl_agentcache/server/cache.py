@@ -803,13 +803,14 @@ class AgentRadixCache(UnifiedRadixCache):
         self.spill.drop_salt(salt)
         self.contexts.forget_where(lambda b: namespace_salt(b.namespace) == salt)
         freed += self._evict_nodes(self._salted_nodes(salt), budget=None)
-        locked = sum(len(n.key) for n in self._salted_nodes(salt) if n.component_data[FULL].value is not None)
+        left = self._salted_nodes(salt)  # what the purge could not free (locked, or a copy in flight)
+        locked = sum(len(n.key) for n in left if n.component_data[FULL].value is not None)
         # L3 pages of the salt's nodes that already left the tree: its purge manifest names them. Nodes
         # still here (locked by a running request or an L3 write in flight) stay in the manifest, so a
         # later purge or eviction can still reach their pages.
         l3_manifest = False
         if self.l3 is not None:
-            kept = [h for n in self._salted_nodes(salt) for h in (n.hash_value or ())]
+            kept = [h for n in left for h in (n.hash_value or ())]
             l3_manifest = self.l3.purge(salt, keep=kept)
         return {"branches_closed": len(branches), "freed_tokens": freed,
                 "host_freed_tokens": host_before - pauses.host.used_tokens + self.hicache_deletes["host_tokens"],

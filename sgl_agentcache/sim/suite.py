@@ -259,15 +259,16 @@ def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], N
             "wall_s": time.perf_counter() - started, "environment": _environment()}
 
 
-def mean_ci(values: list[float]) -> tuple[float, float, float]:
-    """Mean and the 95% Student-t confidence interval of the mean (a single value: no interval)."""
+def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Mean and the Student-t confidence interval of the mean at ``level`` (95% by default; a single
+    value: no interval)."""
     n = len(values)
     mean = statistics.fmean(values)
     if n < 2:
         return mean, math.nan, math.nan
     from scipy.stats import t
 
-    half = float(t.ppf(0.975, n - 1)) * statistics.stdev(values) / math.sqrt(n)
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * statistics.stdev(values) / math.sqrt(n)
     return mean, mean - half, mean + half
 
 
