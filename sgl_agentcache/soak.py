@@ -195,12 +195,16 @@ class Soak:
 
     def _flood(self, index: int, deadline: float) -> None:
         """A hostile tenant: tiny hinted calls that pause on ``grep`` when answered, as fast as they are
-        answered, on 40 branches of one session; now and then a chat far over the context (refused)."""
+        answered, on 40 branches of one session; first and every 25th call a chat far over the context
+        (refused). A count, not a coin: on a slow machine a worker makes few calls, and the refusal must
+        still happen."""
         rng = random.Random(self.seed * 1000 + 500 + index)
         session = f"soak{self.seed}-flood{index}"
         huge = {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": ""}] * 3000}
+        sent = 0
         while time.monotonic() < deadline:
-            if rng.random() < 0.02:
+            sent += 1
+            if sent % 25 == 1:
                 status, out = self._request("POST", "/v1/chat/completions", huge)
                 self._note("flood_refused_chat", status == 400, f"{status} {out}")
                 continue
