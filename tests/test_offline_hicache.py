@@ -150,3 +150,34 @@ def test_pauses_price_hicache_write_back_duplicates_as_host_room():
     free, room = cache.host_room()
     host_only = sum(len(n.component_data[0].host_value) for n in core.evictable_host_leaves)
     assert free == _host_free(driver) and room == free + host_only + duplicates
+
+
+@pytest.mark.parametrize("kind", ["stock", "agentcache"])
+def test_a_leaf_longer_than_the_host_pool_keeps_its_head_on_host(kind):
+    """Write-back, a 32-slot host pool, 54-token leaves: SGLang drops an evicted leaf whole when the host
+    cannot take all of it; ours splits it at the host room and backs the head up (its tail is dropped),
+    so the next call on that prefix loads 32 tokens from host instead of recomputing all 50."""
+    driver = _driver(kind, host_tokens=32)
+    a, b, c = _prompts(3, seed=5)
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        _serve(driver, rid, prompt)
+    again = _serve(driver, "a2", a + [9])
+    report = driver.check()
+    assert report.ok, report.errors
+    if kind == "stock":
+        assert again.host_hit_length == 0 and again.cached_tokens == 0
+        return
+    assert again.host_loaded_length == 32 and again.cached_tokens == 32
+    counts = driver.cache.partial_backups
+    assert counts["leaves"] >= 1 and counts["kept_tokens"] == 32 * counts["leaves"]
+    assert counts["dropped_tokens"] > 0
+    assert driver.cache.hicache_stats()["partial_backups"] == counts
+
+
+def test_head_len_keeps_whole_pages_of_the_room_only_when_the_leaf_does_not_fit():
+    from sgl_agentcache.server.partial_backup import head_len
+
+    assert head_len(54, 64, 1) == 0  # fits whole: SGLang's own path
+    assert head_len(54, 32, 1) == 32
+    assert head_len(54, 35, 16) == 32  # whole pages only
+    assert head_len(54, 15, 16) == 0  # not one page: nothing to keep

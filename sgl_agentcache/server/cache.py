@@ -54,6 +54,7 @@ from sgl_agentcache.server.copy_ahead import COPY_AHEAD_TOKENS_ENV, CopyAhead, c
 from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
+from sgl_agentcache.server.partial_backup import back_up_head
 from sgl_agentcache.server.pauses import PauseBook, default_settings, host_capacity_tokens
 from sgl_agentcache.server.program_admission import ProgramAdmission, settings_from_env
 from sgl_agentcache.server.spill import HOST_SPILL_ENV, SpillTier
@@ -154,6 +155,8 @@ class AgentRadixCache(UnifiedRadixCache):
         # controller and L3 storage then carry the host bytes, and our own host tier stays empty.
         self.on_hicache = False
         self.hicache_deletes = {"device_tokens": 0, "host_tokens": 0, "backups_skipped_tokens": 0}
+        # Write-back leaves longer than the host room whose head was kept (server/partial_backup.py).
+        self.partial_backups = {"leaves": 0, "kept_tokens": 0, "dropped_tokens": 0}
         self.l3 = None  # an L3Deleter when HiCache runs with a storage backend
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
         # Every copy between the device and the host tier is followed by one agreement step, so a copy
@@ -949,7 +952,8 @@ class AgentRadixCache(UnifiedRadixCache):
     def _evict_device_leaf_on_hicache(self, node_id, tracker):
         """HiCache's eviction of one leaf (demote a backed-up one, back up then demote under
         write-back), except a terminated node, deleted on both tiers instead: nobody will read it
-        again, and a backup would spend host room and a copy on it (and, with L3, storage)."""
+        again, and a backup would spend host room and a copy on it (and, with L3, storage); and a
+        write-back leaf longer than the host room, whose head is backed up (SGLang drops it whole)."""
         core = self.tree_core
         node = core.node_by_id(node_id)
         if node.agent.terminated and core.deletable_everywhere(node):
@@ -959,6 +963,8 @@ class AgentRadixCache(UnifiedRadixCache):
             self._accumulate_tracker(tracker, self._delete_node_everywhere(node, pages).tracker)
             if pages:
                 self._delete_from_l3(pages)
+            return None
+        if back_up_head(self, node, tracker):  # too long for the host room: its head goes to host
             return None
         return super()._evict_device_leaf(node_id, tracker)
 
@@ -1106,6 +1112,7 @@ class AgentRadixCache(UnifiedRadixCache):
                 "host_pool_tokens": int(host.size), "host_available_tokens": int(host.available_size()),
                 "host_tokens_by_class": counts, "storage_backend": bool(self.enable_storage),
                 "deleted": dict(self.hicache_deletes) | (self.l3.counters if self.l3 is not None else {}),
+                "partial_backups": dict(self.partial_backups),
                 "vetoed_backup_tokens": self.tree_core.vetoed_backup_tokens}
 
     def _hicache_host_tokens(self, namespace: str) -> int:
