@@ -8,6 +8,7 @@ import pytest
 from sgl_agentcache.policy.admission_order import (PLAS_BASE_TOKENS, AdmissionSettings, ProgramLedger, order_keys,
                                                    over_share, plas_level)
 from sgl_agentcache.server.program_admission import settings_from_env
+from sgl_agentcache.server.request_state import state_of
 
 
 def _order(waiting, strategy, tenant_service=None, **settings):
@@ -202,6 +203,6 @@ def test_the_scheduler_hook_puts_a_resident_returning_turn_first(strategy):
     stats = driver.cache.admission.stats()
     assert stats["reordered_passes"] == 1 and stats["moved_ahead"] == 1  # one request jumped the queue
     ledger = driver.cache.admission.ledger
-    assert ledger.returning(turn.agentcache_program[1]) and not ledger.returning(burst[0].agentcache_program[1])
+    assert ledger.returning(state_of(turn).program[1]) and not ledger.returning(state_of(burst[0]).program[1])
     # Its answer charged the lead's output (8 tokens) to its program and tenant.
-    assert ledger.programs[turn.agentcache_program[1]].attained == 8
+    assert ledger.programs[state_of(turn).program[1]].attained == 8

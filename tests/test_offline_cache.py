@@ -20,6 +20,7 @@ from sgl_agentcache.server.offline import (
     build_offline_cache,
 )
 from sgl_agentcache.server.tree_core import FULL, AgentTreeCore
+from sgl_agentcache.server.request_state import state_of
 
 
 def ids(start: int, n: int) -> list[int]:
@@ -228,7 +229,7 @@ def test_a_fork_without_a_fork_point_charges_the_parents_history_it_recomputes_t
     assert cache.tree_core.owned_tokens(main_key) == 0
     fork = driver.admit("fork", prompt + output + ids(300, 20), kv_hints=lifecycle_envelope(
         {"session": "s", "branch": "b1", "parent_branch": "main", "stable_prefix_tokens": 10}, message_id="m2"))
-    assert fork.agentcache_plan.fork_point == 53 and cache.inferred_fork_points == 1
+    assert state_of(fork).plan.fork_point == 53 and cache.inferred_fork_points == 1
     driver.extend(fork, [410, 411])
     driver.finish(fork)
     assert cache.tree_core.owned_tokens(main_key) == 53 - 10  # the parent's history, recomputed
@@ -239,7 +240,7 @@ def test_a_fork_without_a_fork_point_charges_the_parents_history_it_recomputes_t
     # A prompt that does not continue the parent's context gets no fork point (all its own, as before).
     other = driver.admit("other", ids(0, 60), kv_hints=lifecycle_envelope(
         {"session": "s", "branch": "b2", "parent_branch": "main", "stable_prefix_tokens": 10}, message_id="m3"))
-    assert other.agentcache_plan.fork_point == 10 and cache.inferred_fork_points == 1
+    assert state_of(other).plan.fork_point == 10 and cache.inferred_fork_points == 1
     driver.abort(other)
     assert_idle_ok(driver)
 
@@ -374,7 +375,7 @@ def test_a_namespace_flooding_closes_never_revives_another_namespaces_closed_bra
             cache.close_branch(BranchKey("globex|", f"f{i}", "main"))
     assert closed in cache.closed and len(cache.closed) <= 8
     late = driver.admit("late", ids(0, 40), kv_hints=_hint("task", "old"), extra_key="acme")
-    assert late.agentcache_plan.own.terminated
+    assert state_of(late).plan.own.terminated
     driver.finish(late)
     assert cache.tree_core.owned_tokens(closed) == 0
     assert_idle_ok(driver)

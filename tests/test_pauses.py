@@ -21,6 +21,7 @@ from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.distributions import LogNormal, PointMass
 from sgl_agentcache.policy.pause import PauseAction
 from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+from sgl_agentcache.server.request_state import state_of
 
 NS = namespace_key(None, None)
 STABLE = 32
@@ -502,7 +503,7 @@ def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_a
         match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
         # The admission match only notes the host copy; it comes back once the request passed the
         # prefill budget (the plugin's add_one_req hook then matches it again, cleared).
-        assert match.device_prefix_len == STABLE and req.agentcache_host_pending
+        assert match.device_prefix_len == STABLE and state_of(req).host_pending
         assert h.cache.pauses.host.tokens_of(owner) == moved and not h.cache.loads.pending("late")
         with h.cache.host_loads_cleared(req):
             match = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow)), req=req))
@@ -546,7 +547,7 @@ def _match(h: Harness, req) -> int:
     with h.driver.activated():
         key = RadixKey(req.origin_input_ids)
         found = h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
-        if req.agentcache_host_pending:
+        if state_of(req).host_pending:
             with h.cache.host_loads_cleared(req):
                 found = h.cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len
         if h.cache.loads.pending(req.rid):
@@ -573,7 +574,7 @@ def test_a_restore_without_room_waits_for_the_requests_next_match():
 
     h.driver.finish(big)  # room appears
     assert _match(h, req) == 300 + 1
-    assert req.agentcache_restores is None and owner not in pauses.records and pauses.host.used_tokens == 0
+    assert state_of(req).restores is None and owner not in pauses.records and pauses.host.used_tokens == 0
     assert pauses.counters["restores"] == 1
     h.assert_clean()
 

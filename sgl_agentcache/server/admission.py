@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from sgl_agentcache.lifecycle import BranchKey
 from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
+from sgl_agentcache.server.request_state import state_of
 
 #: Tokens of a request's declared stable prefix that must be missing from the cache, and being computed
 #: by a request admitted in the same step, before it waits a step to hit them instead.
@@ -62,7 +63,7 @@ def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs
     if isinstance(cache, AgentRadixCache) and req.kv_hints is not None:
         refusal = cache.admit(req)
         if refusal is not None:
-            req.agentcache_refused = True
+            state_of(req).refused = True
             req.skip_radix_cache_insert = True  # the placeholder token an abort leaves is not cached
             req.set_finish_with_abort(refusal)
     if isinstance(cache, AgentRadixCache) and cache.admission is not None:
@@ -89,7 +90,7 @@ def _computes_my_stable_prefix(adder, req) -> bool:
     """A request admitted in this step (``adder.can_run_list``) computes the stable prefix ``req``
     declared and lacks (at least :data:`MIN_SHARED_PREFILL_TOKENS` of it): the same tokens, in the
     same namespace, not cached for it either."""
-    plan = getattr(req, "agentcache_plan", None)
+    plan = state_of(req).plan
     if plan is None or plan.stable_end < MIN_SHARED_PREFILL_TOKENS or not adder.can_run_list:
         return False
     stable = plan.stable_end
@@ -123,21 +124,22 @@ def _passes_budget_recomputing(adder, req) -> bool:
 
 
 def load_host_copies_if_admissible(adder, req, cache) -> None:
-    """The admission match found host copies for ``req`` (``agentcache_host_pending``): load them
+    """The admission match found host copies for ``req`` (``state_of(req).host_pending``): load them
     only if the request passes the budget counting them as new (then its admission match runs again,
     and they come back); else it is refused below as it stands, having moved and evicted nothing."""
     if _passes_budget_recomputing(adder, req):
         with cache.host_loads_cleared(req):
             req.init_next_round_input(cache)
     else:
-        req.agentcache_host_pending = False
+        state_of(req).host_pending = False
         cache.host_loads_refused += 1
 
 
 def _around_add_one_req(original, adder, req, *args, **kwargs):
     cache = getattr(adder, "tree_cache", None)
     loads = getattr(cache, "loads", None)
-    if loads is not None and getattr(req, "agentcache_host_pending", False):
+    state = state_of(req)
+    if loads is not None and state.host_pending:
         load_host_copies_if_admissible(adder, req, cache)
     if loads is not None and loads.waiting and req.rid in loads.waiting:
         # It continues into what another request's load is bringing back (server/async_load.py): it
@@ -156,11 +158,11 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
         # against (their budget is free + evictable memory at admission): give them back, and the
         # request is added (or not) as it is, recomputing what it lacks, as a load-back without room does.
         loads.cancel(req.rid, "no_room")
-    elif loads is not None and getattr(req, "agentcache_prefill_waits", 0) < MAX_WAIT_STEPS \
+    elif loads is not None and state.prefill_waits < MAX_WAIT_STEPS \
             and _computes_my_stable_prefix(adder, req):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
-        req.agentcache_prefill_waits = getattr(req, "agentcache_prefill_waits", 0) + 1
+        state.prefill_waits += 1
         cache.shared_prefill_waits += 1
         return AddReqResult.CONTINUE
     result = original(adder, req, *args, **kwargs)

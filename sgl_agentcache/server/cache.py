@@ -54,9 +54,10 @@ from sgl_agentcache.server.copy_ahead import COPY_AHEAD_TOKENS_ENV, CopyAhead, c
 from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
-from sgl_agentcache.server.partial_backup import back_up_head
+from sgl_agentcache.server.hicache_moves import back_up_head
 from sgl_agentcache.server.pauses import PauseBook, default_settings, host_capacity_tokens
 from sgl_agentcache.server.program_admission import ProgramAdmission, settings_from_env
+from sgl_agentcache.server.request_state import state_of
 from sgl_agentcache.server.spill import HOST_SPILL_ENV, SpillTier
 from sgl_agentcache.server.tree_core import AgentTreeCore
 
@@ -155,7 +156,7 @@ class AgentRadixCache(UnifiedRadixCache):
         # controller and L3 storage then carry the host bytes, and our own host tier stays empty.
         self.on_hicache = False
         self.hicache_deletes = {"device_tokens": 0, "host_tokens": 0, "backups_skipped_tokens": 0}
-        # Write-back leaves longer than the host room whose head was kept (server/partial_backup.py).
+        # Write-back leaves longer than the host room whose head was kept (server/hicache_moves.py).
         self.partial_backups = {"leaves": 0, "kept_tokens": 0, "dropped_tokens": 0}
         self.l3 = None  # an L3Deleter when HiCache runs with a storage backend
         self.metrics = SchedulerMetrics(_tp_rank()) if metrics_enabled() else None
@@ -269,6 +270,13 @@ class AgentRadixCache(UnifiedRadixCache):
         low = advised == "discard" or (owner is not None and self.over_quota(owner))
         return (host_band(low_value=low, protected=advised == "offload"), 0.0, False, 0, base_priority)
 
+    @property
+    def host_capacity_tokens(self) -> int:
+        """The host tier's size in tokens: HiCache's host pool when attached, else our own tier's."""
+        if self.on_hicache:
+            return int(self.cache_controller.mem_pool_host.size)
+        return self.pauses.host.capacity_tokens
+
     def host_room(self) -> tuple[int, int]:
         """(free host tokens, tokens a host copy could get): what pause decisions price host memory
         with. Our host tier: its free room, plus spilled unprotected entries (HostTier.has_room drops
@@ -307,15 +315,16 @@ class AgentRadixCache(UnifiedRadixCache):
     def _plan(self, req) -> InsertPlan:
         """The request's insert plan: built at its first call, rebuilt only when a branch it names has
         closed since (its tokens are then born terminated, never revived)."""
-        plan, closed = getattr(req, "agentcache_plan", None), self.closed
+        state, closed = state_of(req), self.closed
+        plan = state.plan
         if plan is not None:
-            if req.agentcache_closed_version == closed.version:  # no branch closed since: every insert
+            if state.closed_version == closed.version:  # no branch closed since: every insert
                 return plan
-            req.agentcache_closed_version = closed.version
+            state.closed_version = closed.version
             if not ((plan.own.owner in closed and not plan.own.terminated)
                     or (plan.parent is not None and plan.parent.owner in closed and not plan.parent.terminated)):
                 return plan
-            plan = insert_plan(req.agentcache_hint, namespace_of(req), closed)
+            plan = insert_plan(state.hint, namespace_of(req), closed)
         else:
             try:
                 hint = find_lifecycle_hint(req.kv_hints)
@@ -326,8 +335,8 @@ class AgentRadixCache(UnifiedRadixCache):
             if hint is not None and hint.is_fork and hint.fork_point_tokens is None:
                 hint = self._with_fork_point(hint, req)
             plan = insert_plan(hint, namespace_of(req), closed)
-            req.agentcache_hint = hint
-        req.agentcache_plan, req.agentcache_closed_version = plan, closed.version
+            state.hint = hint
+        state.plan, state.closed_version = plan, closed.version
         if plan.own.owner is not None:
             self.quotas.put(plan.own.owner, self.quota_for(plan))
         return plan
@@ -345,19 +354,18 @@ class AgentRadixCache(UnifiedRadixCache):
 
     def admit(self, req) -> str | None:
         """Build the request's plan at admission; return why it must be refused, or None."""
-        plan = self._plan(req)
+        plan, state = self._plan(req), state_of(req)
         # Only a *new* fork needs a live parent: a subagent that already runs keeps working after its
         # lead closed (what it inherited from the parent is born terminated, see _plan).
         if plan.parent is not None and plan.own.owner not in self.seen:
             refusal = parent_refusal(plan.parent.owner, self.seen, self.closed)
             if refusal is not None:
-                if not req.agentcache_hint.inferred:
+                if not state.hint.inferred:
                     return refusal
                 # The server guessed the fork (chat inference): run it as a branch of its own.
                 self.inferred_orphans += 1
-                req.agentcache_hint = msgspec.structs.replace(req.agentcache_hint, parent_branch=None,
-                                                              fork_point_tokens=None)
-                plan = req.agentcache_plan = insert_plan(req.agentcache_hint, namespace_of(req), self.closed)
+                state.hint = msgspec.structs.replace(state.hint, parent_branch=None, fork_point_tokens=None)
+                plan = state.plan = insert_plan(state.hint, namespace_of(req), self.closed)
                 self.quotas.put(plan.own.owner, self.quota_for(plan))
         # Host copies come back when the scheduler matches the request for a batch (match_prefix), not
         # now: a request can wait in the queue for many steps, and KV restored at arrival sits unlocked
@@ -370,7 +378,7 @@ class AgentRadixCache(UnifiedRadixCache):
             self.loads.settle(plan.own.owner)  # a copy back issued ahead of it (prefetch, resume route) lands
             if plan.own.owner in self.pauses.records:  # the tool returned: the pause ends (see begin_resume)
                 own = self.pauses.begin_resume(plan.own.owner)
-        req.agentcache_restores = (parent, own) if parent or own else None
+        state.restores = (parent, own) if parent or own else None
         return None
 
     def match_prefix(self, params):
@@ -385,7 +393,7 @@ class AgentRadixCache(UnifiedRadixCache):
 
         Host copies come back only once the request passed the prefill budget, as SGLang's HiCache
         loads a host hit in ``PrefillAdder.add_one_req`` after ``_select_prefill_admission``: the
-        admission match only notes that the request has something on host (``agentcache_host_pending``);
+        admission match only notes that the request has something on host (``state_of(req).host_pending``);
         the ``add_one_req`` hook (``server/admission.py``; the replay's ``OfflineScheduler``) checks the
         budget and, if it passes, matches again inside :meth:`host_loads_cleared`, where they load. A
         refused admission moves nothing and evicts nothing.
@@ -395,18 +403,19 @@ class AgentRadixCache(UnifiedRadixCache):
         req = params.req
         if req is None:
             return super().match_prefix(params)
+        state = state_of(req)
         if self.ranking:  # only ranked: its copies come back when it is matched for admission
-            if getattr(req, "agentcache_restores", None) is not None:
+            if state.restores is not None:
                 self.ranking_deferred += 1
             return super().match_prefix(params)
-        restores = getattr(req, "agentcache_restores", None)
+        restores = state.restores
         loads = self.loads
         cleared = self.clearing is req
         # The steps it waited on another's copy, read once per scheduler step (the cleared match that
         # follows in the same step reuses them).
-        waited = getattr(req, "agentcache_waited", 0) if cleared else loads.take_waited(req.rid)
-        req.agentcache_waited = waited
-        req.agentcache_host_pending = False
+        waited = state.waited if cleared else loads.take_waited(req.rid)
+        state.waited = waited
+        state.host_pending = False
         if loads.pending(req.rid):  # a copy issued at its previous admission match: insert it first
             try:
                 loads.finish(req.rid)
@@ -420,14 +429,14 @@ class AgentRadixCache(UnifiedRadixCache):
             if (restores[0] is not None and loads.copying_back(restores[0])
                     and loads.wait_for_other(req.rid, waited)):
                 return super().match_prefix(params)  # its paused parent is being copied back for a sibling
-            req.agentcache_host_pending = True  # its copies come back once it passed the budget
+            state.host_pending = True  # its copies come back once it passed the budget
             return super().match_prefix(params)
         if restores is not None:  # what found no room stays pending for the request's next match
             try:
-                req.agentcache_restores = restores = self.pauses.restore_for_request(*restores, rid=req.rid)
+                state.restores = restores = self.pauses.restore_for_request(*restores, rid=req.rid)
             except Exception:  # noqa: BLE001 - a broken restore must not take the scheduler down
                 logger.exception("agentcache: restoring host copies for %s failed; recomputing", req.rid)
-                req.agentcache_restores = None
+                state.restores = None
                 self.pauses.abandon_restores(*restores)
                 restores = None
             if loads.pending(req.rid):  # its copy went to a worker: skipped, finished at its next match
@@ -446,7 +455,7 @@ class AgentRadixCache(UnifiedRadixCache):
                     return result  # another request's load brings those tokens: skipped, hits them next step
                 if not cleared:
                     if spill.has_chain(params.key, last, result.device_prefix_len):
-                        req.agentcache_host_pending = True  # loaded once it passed the budget
+                        state.host_pending = True  # loaded once it passed the budget
                     return result
                 if loads.enabled:  # the copy runs on the worker; the scheduler skips the request this step
                     loads.issue(req.rid, params.key, last, result.device_prefix_len)
@@ -472,7 +481,7 @@ class AgentRadixCache(UnifiedRadixCache):
         """Inside this block ``req``'s admission match brings its host copies back (restores of its
         paused branches, spilled nodes that continue it): the caller checked that the request passes
         the prefill budget counting those tokens as new (SGLang's rule for a HiCache host hit)."""
-        req.agentcache_host_pending = False
+        state_of(req).host_pending = False
         outer, self.clearing = self.clearing, req
         try:
             yield self
@@ -565,10 +574,11 @@ class AgentRadixCache(UnifiedRadixCache):
         # Runs for every insert (twice per request at least): the common case -- the request's plan
         # is current, the branch is within its quota, the insert only extends the branch past its
         # boundaries -- costs a few attribute reads around the stock insert.
-        if getattr(req, "agentcache_closed_version", None) == self.closed.version:
-            plan = req.agentcache_plan
+        state = state_of(req)
+        if state.closed_version == self.closed.version:
+            plan = state.plan
         else:
-            first = getattr(req, "agentcache_plan", None) is None
+            first = state.plan is None
             plan = self._plan(req)
             if first and plan.own.owner is not None:  # a request that never passed admit(): seen now
                 self.seen.add(plan.own.owner)
@@ -581,14 +591,14 @@ class AgentRadixCache(UnifiedRadixCache):
                 core.insert_from = None
         own = plan.own
         owner = own.owner
-        hint: LifecycleHint | None = req.agentcache_hint
-        if hint is not None and hint.edit_from_tokens is not None and not getattr(req, "agentcache_edited", False):
-            req.agentcache_edited = True
+        hint = state.hint
+        if hint is not None and hint.edit_from_tokens is not None and not state.edited:
+            state.edited = True
             self.context_edit_freed_tokens += self._drop_edited_history(req, owner, hint.edit_from_tokens)
         locked = req.kv.cache_protected_len  # in the tree and locked: the insert creates nodes past it only
-        first_insert = not getattr(req, "agentcache_adopted", False)
+        first_insert = not state.adopted
         if first_insert:
-            req.agentcache_adopted = True
+            state.adopted = True
             self._adopt_shared_context(req, plan)
         core.insert_state = own
         core.insert_from = self._insert_start(req)
@@ -988,17 +998,18 @@ class AgentRadixCache(UnifiedRadixCache):
             self.loads.cancel(req.rid, "unfinished")
         elif self.loads.waiting:
             self.loads.waiting.pop(req.rid, None)
-        restores = getattr(req, "agentcache_restores", None)
+        state = state_of(req)
+        restores = state.restores
         if restores is not None and restores[1] is not None:  # it ran (or left) without its own copy
-            req.agentcache_restores = None
+            state.restores = None
             self.pauses.end_resume(restores[1], abandoned=True)
-        plan: InsertPlan | None = getattr(req, "agentcache_plan", None)
+        plan = state.plan
         if self.admission is not None:
             self.admission.released(req, answered=req.finished() and not isinstance(req.finished_reason, FINISH_ABORT))
-        if plan is not None and plan.own.owner is not None and not getattr(req, "agentcache_refused", False):
+        if plan is not None and plan.own.owner is not None and not state.refused:
             # An aborted subagent (fork) is cancelled for good; an aborted turn of a root branch (a
             # client timeout on the lead agent) must not drop the whole session's history.
-            hint: LifecycleHint | None = req.agentcache_hint
+            hint = state.hint
             if ((plan.parent is not None and isinstance(req.finished_reason, FINISH_ABORT))
                     or (hint is not None and hint.close and req.finished())):
                 self.close_branch(plan.own.owner)

@@ -91,6 +91,7 @@ from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
 from sgl_agentcache.server.cache import AgentRadixCache, namespace_of, register_backends
 from sgl_agentcache.server.integrity import IntegrityReport, check_tree
+from sgl_agentcache.server.request_state import state_of
 
 if TYPE_CHECKING:
     from sglang.srt.runtime_context import RuntimeContext
@@ -472,7 +473,7 @@ class OfflineDriver:
 
         with self.activated():
             req.init_next_round_input(self.cache)
-            if getattr(req, "agentcache_host_pending", False):
+            if state_of(req).host_pending:
                 load_host_copies_if_admissible(self.prefill_adder(), req, self.cache)
 
     def rank(self, waiting: Sequence[OfflineReq], policy: str = "lpm") -> list[OfflineReq]:
@@ -514,7 +515,7 @@ class OfflineDriver:
                     if self.hicache and req.host_hit_length > 0:
                         self._load_back_from_hicache(req)
                         req.extend_end = self._chunk_end(req, max_prefill_tokens)
-                    if not getattr(req, "agentcache_host_pending", False) or attempt > MAX_WAIT_STEPS:
+                    if not state_of(req).host_pending or attempt > MAX_WAIT_STEPS:
                         self._alloc_for_extend(req)
                         break
                 except BaseException:

@@ -82,7 +82,7 @@ PINS: tuple[Pin, ...] = (
     Pin(f"{_CACHE}.write_backup_storage", ("self", "node_id"),
         "a salted node's L3 pages go into its salt's purge manifest as HiCache writes them"),
     Pin(f"{_CACHE}._drop_subtree_no_host", ("self", "node_id", "tracker"),
-        "a write-back leaf too long for the host room loses its tail only (server/partial_backup.py)"),
+        "a write-back leaf too long for the host room loses its tail only (server/hicache_moves.py)"),
     Pin(f"{_CACHE}.backup_node_for_write_back", ("self", "node_id"), "the head of such a leaf is backed up"),
     Pin(f"{_CACHE}._demote", ("self", "node_id", "tracker"), "and then demoted, as SGLang demotes a leaf"),
     Pin("sglang.srt.mem_cache.unified_cache.components.full:FullComponent._evict_device_next_node",

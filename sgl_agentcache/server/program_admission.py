@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 from sgl_agentcache.policy.admission_order import STRATEGIES, AdmissionSettings, ProgramLedger, order_keys, reads_match
+from sgl_agentcache.server.request_state import RequestState, state_of
 
 ADMISSION_ENV = "AGENTCACHE_ADMISSION"
 STARVATION_STEPS_ENV = "AGENTCACHE_ADMISSION_STARVATION_STEPS"
@@ -55,7 +56,7 @@ def settings_from_env(environ=os.environ) -> AdmissionSettings | None:
 def _identity(req, namespace: str) -> tuple:
     """``(tenant, program, branch, parent)`` of a request from its insert plan (hinted) or alone."""
     tenant = namespace
-    plan = getattr(req, "agentcache_plan", None)
+    plan = state_of(req).plan
     owner = plan.own.owner if plan is not None else None
     if owner is None:
         return tenant, None, None, None
@@ -76,9 +77,10 @@ class ProgramAdmission:
     def received(self, req, namespace: str) -> None:
         """A request was created (after its plan): note its program and receive order."""
         tenant, program, branch, parent = _identity(req, namespace)
-        req.agentcache_program = (tenant, program, branch)
-        req.agentcache_seq = self.ledger.receive(program, branch, parent)
-        req.agentcache_passes = 0
+        state = state_of(req)
+        state.program = (tenant, program, branch)
+        state.seq = self.ledger.receive(program, branch, parent)
+        state.passes = 0
 
     def order(self, waiting_queue: list, cache, matched: bool, priority_sign: int | None = None) -> None:
         """Reorder ``waiting_queue`` in place by the strategy's keys. ``matched``: SGLang's pass matched
@@ -95,8 +97,8 @@ class ProgramAdmission:
         settings, ledger = self.settings, self.ledger
         items, budget = [], MATCH_LIMIT
         for req in waiting_queue:
-            self._tick(req)
-            tenant, program, branch = req.agentcache_program
+            state = self._tick(req)
+            tenant, program, branch = state.program
             resident = 0
             if reads_match(settings.strategy, ledger.returning(program)):
                 if matched:
@@ -108,8 +110,8 @@ class ProgramAdmission:
                     with cache.ranking_matches():
                         match_kv_cache(req, cache)
                     resident = req.prefix_len
-            items.append(ledger.waiting(req.agentcache_seq, tenant, len(req.origin_input_ids), program=program,
-                                        branch=branch, resident_tokens=resident, waited_steps=req.agentcache_passes))
+            items.append(ledger.waiting(state.seq, tenant, len(req.origin_input_ids), program=program,
+                                        branch=branch, resident_tokens=resident, waited_steps=state.passes))
         keys = order_keys(items, settings, ledger.tenant_service)
         if priority_sign is not None:
             keys = [((req.priority or 0) * priority_sign,) + key for req, key in zip(waiting_queue, keys)]
@@ -126,27 +128,30 @@ class ProgramAdmission:
             waiting_queue[:] = [waiting_queue[i] for i in ranked]
 
     @staticmethod
-    def _tick(req) -> None:
-        if not hasattr(req, "agentcache_seq"):  # created before the backend saw it (cannot happen in 0.5.23)
-            req.agentcache_program, req.agentcache_seq, req.agentcache_passes = ("", None, None), 0, 0
-        req.agentcache_passes += 1
+    def _tick(req) -> RequestState:
+        """One more pass waited; returns the request's state."""
+        state = state_of(req)
+        if state.program is None:  # created before the backend saw it (cannot happen in 0.5.23)
+            state.program, state.seq, state.passes = ("", None, None), 0, 0
+        state.passes += 1
+        return state
 
     def admitted(self, req) -> None:
         """``req`` was added to a prefill batch: charge the prompt tokens it computes."""
-        tenant, program, branch = req.agentcache_program
+        state = state_of(req)
+        tenant, program, branch = state.program
         self.ledger.charge(tenant, program, branch, len(req.origin_input_ids) - req.prefix_len)
-        req.agentcache_passes = 0  # a retracted request waits anew
+        state.passes = 0  # a retracted request waits anew
 
     def released(self, req, answered: bool) -> None:
         """``req`` left the scheduler (finished, aborted, or retracted to wait again): charge the output
         not charged yet (a retracted request keeps its output); an answered call makes its program's
         later requests returning turns."""
-        ident = getattr(req, "agentcache_program", None)
-        if ident is None:
+        state = state_of(req)
+        if state.program is None:
             return
-        tenant, program, branch = ident
-        charged = getattr(req, "agentcache_output_charged", 0)
-        req.agentcache_output_charged = len(req.output_ids)
+        tenant, program, branch = state.program
+        charged, state.output_charged = state.output_charged, len(req.output_ids)
         self.ledger.charge(tenant, program, branch, len(req.output_ids) - charged)
         if answered:
             self.ledger.answer(program)
