@@ -175,9 +175,58 @@ def test_a_leaf_longer_than_the_host_pool_keeps_its_head_on_host(kind):
 
 
 def test_head_len_keeps_whole_pages_of_the_room_only_when_the_leaf_does_not_fit():
-    from sgl_agentcache.server.partial_backup import head_len
+    from sgl_agentcache.server.hicache_moves import head_len
 
     assert head_len(54, 64, 1) == 0  # fits whole: SGLang's own path
     assert head_len(54, 32, 1) == 32
     assert head_len(54, 35, 16) == 32  # whole pages only
     assert head_len(54, 15, 16) == 0  # not one page: nothing to keep
+
+
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_an_applied_offload_demotes_the_branch_into_hicache_and_its_next_call_loads_it_back(write_policy):
+    """A forced (baseline) or eager offload on HiCache: the paused branch's own suffix is backed up and
+    demoted into HiCache's host pool at once (its device slots freed), the stable prefix stays; the
+    branch's next call loads it back through HiCache, byte for byte."""
+    import torch
+
+    from sgl_agentcache.hints import lifecycle_envelope
+    from sgl_agentcache.lifecycle import BranchKey, namespace_key
+    from sgl_agentcache.policy.pause import PauseAction
+
+    cache = build_offline_cache(pool_tokens=1024, hicache=OfflineHiCache(1024, write_policy))
+    driver = OfflineDriver(cache)
+    kv = cache.token_to_kv_pool_allocator.get_kvcache()
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, 400) for _ in range(300)]
+
+    def call(rid, tokens):
+        hint = {"session": "s", "branch": "main", "stable_prefix_tokens": 32}
+        return driver.admit(rid, tokens, kv_hints=lifecycle_envelope(hint, message_id=rid))
+
+    first = call("r1", prompt)
+    idx = driver.req_to_token_pool.req_to_token[first.kv.req_pool_idx, :300]
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf[idx] = (torch.arange(300, dtype=buf.dtype) + 1000.0).view(-1, 1, 1)
+    driver.extend(first, [7, 8, 9])
+    driver.finish(first)
+    free_before = driver.free_tokens()
+    branch = BranchKey(namespace_key(None, None), "s", "main")
+    with driver.activated():
+        result = cache.pauses.pause(branch, force=PauseAction.OFFLOAD)
+    moved = 300 + 2 - 32  # the prompt and the outputs with KV, past the shared stable prefix
+    assert result["action"] == "offload" and result["moved_tokens"] == moved == result["tokens"]
+    assert driver.free_tokens() == free_before + moved
+    assert cache.pauses.records[branch].advice is PauseAction.OFFLOAD  # its host copies rank protected
+    assert cache.pauses.counters["hicache_offloaded_tokens"] == moved
+    assert driver.check().ok
+
+    second = call("r2", prompt + [7, 8, 9] + [11, 12])
+    assert second.host_loaded_length == moved and second.cached_tokens == 302
+    idx = driver.req_to_token_pool.req_to_token[second.kv.req_pool_idx, :300]
+    for buf in kv.k_buffer + kv.v_buffer:
+        assert torch.equal(buf[idx].flatten(), torch.arange(300, dtype=buf.dtype) + 1000.0)
+    driver.extend(second, [5])
+    driver.finish(second)
+    report = driver.check()
+    assert report.ok, report.errors

@@ -1,4 +1,8 @@
-"""Write-back of the head of a device leaf that does not fit HiCache's host pool whole.
+"""Our nodes across HiCache's tiers where SGLang's own moves do not fit the lifecycle.
+
+- :func:`back_up_head`: write-back of the head of a device leaf that does not fit the host pool whole.
+- :func:`demote_chain`: an applied pause offload (forced by a baseline, or ``AGENTCACHE_PAUSE_MODE=eager``)
+  moves a paused branch's movable suffix to the host pool now, as HiCache's eviction would later.
 
 SGLang 0.5.23's write-back backs up an evicted device leaf as one unit: when the host pool cannot take
 all of it (``_execute_kv_backup`` evicts host leaves, then gives up), ``_drop_subtree_no_host`` drops the
@@ -76,3 +80,25 @@ def back_up_head(cache, node, tracker) -> bool:
     if getattr(full, "_evict_device_last_node", None) is node:
         full._evict_device_last_node = head
     return True
+
+
+def demote_chain(cache, chain: list) -> int:
+    """Back up (where not backed up yet) and demote ``chain`` -- a top-down chain of unlocked device
+    nodes, each with no device child but the next (``HostCopies.movable_suffix``) -- bottom-up, as
+    HiCache's eviction demotes leaves: the device slots are freed, the host copies stay in the tree,
+    and the next match of that path loads them back through HiCache. Host room comes from HiCache's
+    host eviction (our host ranking). Stops at the first node that cannot be backed up (no host room):
+    what is above it stays on the device. Returns the tokens demoted."""
+    tracker = {ct: 0 for ct in cache.tree_components}
+    moved = 0
+    for node in reversed(chain):
+        data = node.component_data[FULL]
+        if data.value is None:
+            continue
+        if data.lock_ref > 0 or any(c.component_data[FULL].value is not None for c in node.children.values()):
+            break  # locked by a request since, or a device child appeared: not a leaf to demote
+        if not node.backuped and not cache.backup_node_for_write_back(node.id):
+            break
+        cache._demote(node.id, tracker)
+        moved += len(node.key)
+    return moved

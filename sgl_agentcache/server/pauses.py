@@ -54,6 +54,7 @@ from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.distributions import LatencyDistribution
 from sgl_agentcache.policy.pause import Incumbent, PauseAction, PauseDecision, PauseInputs, Placement, PolicyConfig, decide
 from sgl_agentcache.policy.retention import displaced_host_seconds, prefetch_worthwhile
+from sgl_agentcache.server.hicache_moves import demote_chain
 from sgl_agentcache.server.host_copies import HostCopies, PreparedRestore
 from sgl_agentcache.server.host_tier import HOST_TOKENS_ENV, HostTier
 
@@ -169,7 +170,7 @@ class PauseBook:
                          "anchor_spill_copied_tokens": 0,
                          "anchor_spill_refused": {"quota": 0, "host_full": 0, "transfer_failed": 0},
                          "restore_failures": {"gap": 0, "no_room": 0, "transfer_failed": 0, "error": 0},
-                         "deadline_releases": 0, "released_tokens": 0}
+                         "deadline_releases": 0, "released_tokens": 0, "hicache_offloaded_tokens": 0}
         self.prefetch = {"issued": 0, "used": 0, "wasted": 0, "tokens_prefetched": 0, "tokens_used": 0,
                          "tokens_wasted": 0, "refused_budget": 0, "refused_disabled": 0, "refused_nothing": 0, "refused_room": 0, "refused_no_gain": 0,
                          "refused_queue": 0,
@@ -270,9 +271,11 @@ class PauseBook:
             self.counters["forced"] += 1
         record = self.records.get(branch)
         placement = record.placement if record is not None else Placement.DEVICE
-        if force is None and self.lazy and action is not PauseAction.RELEASE \
-                and placement is Placement.DEVICE:
-            return self._advise(branch, tool_class, action, decision)
+        if action is not PauseAction.RELEASE and placement is Placement.DEVICE:
+            if force is None and self.lazy:
+                return self._advise(branch, tool_class, action, decision)
+            if action is PauseAction.OFFLOAD and self.cache.on_hicache:
+                return self._offload_on_hicache(branch, tool_class, decision)
         if record is not None and record.advice is not None:  # a lazy pause becomes an applied one
             self.cache.spill.advise(branch, None)
         applied, moved = self._apply(branch, action, placement, caps)
@@ -313,7 +316,23 @@ class PauseBook:
         ``AGENTCACHE_HOST_SPILL=0`` and a host tier, a pause is applied at once, as in eager mode."""
         return self.settings.lazy and (self.cache.spill.enabled or self.host.capacity_tokens == 0)
 
-    def _advise(self, branch: BranchKey, tool_class: str, action: PauseAction, decision: PauseDecision) -> dict:
+    def _offload_on_hicache(self, branch: BranchKey, tool_class: str, decision: PauseDecision | None) -> dict:
+        """An applied offload (forced, or eager mode) on HiCache: the branch's movable suffix is backed
+        up and demoted into HiCache's host pool now (``hicache_moves.demote_chain``), and the pause is
+        recorded as an offload advice is, because from here on it is one: its host copies rank in the
+        protected band, a prefetch or the branch's next request loads them back through HiCache, and
+        what found no host room stays on the device for eviction to judge."""
+        chain = self.copies.movable_suffix(branch)
+        entry = self._advise(branch, tool_class, PauseAction.OFFLOAD, decision)
+        moved = demote_chain(self.cache, chain)
+        self.counters["hicache_offloaded_tokens"] += moved
+        if moved < entry["tokens"]:
+            self.counters["offload_partial"] += 1
+        entry.update(lazy=False, forced=decision is None, moved_tokens=moved)
+        return entry
+
+    def _advise(self, branch: BranchKey, tool_class: str, action: PauseAction,
+                decision: PauseDecision | None) -> dict:
         """Lazy mode: record the decision as advice, move nothing. The branch's KV stays where it is,
         ranked as before; what eviction later takes of it is spilled to host and kept there ahead of
         other host entries (OFFLOAD), spilled as usual (KEEP), or only into free host room, dropped
@@ -328,11 +347,12 @@ class PauseBook:
         self.records[branch] = record
         self.counters["decisions"][action.value] += 1
         self.cache.spill.advise(branch, action)
+        reason = decision.reason if decision is not None else "forced"
         entry = {"branch": branch.to_dict(), "tool_class": tool_class, "action": action.value,
-                 "decided": action.value, "forced": False, "tokens": tokens, "lazy": True,
-                 "reason": decision.reason, "costs": {o.action.value: o.cost for o in decision.options if o.feasible}}
+                 "decided": action.value, "forced": False, "tokens": tokens, "lazy": True, "reason": reason,
+                 "costs": {o.action.value: o.cost for o in decision.options if o.feasible} if decision else {}}
         self.log.append(entry)
-        logger.info("agentcache pause %s/%s (%s, lazy): %s", branch.session, branch.branch, tool_class, decision.reason)
+        logger.info("agentcache pause %s/%s (%s, lazy): %s", branch.session, branch.branch, tool_class, reason)
         return {"paused": True} | entry
 
     def _cap(self, name: str, caps: dict | None) -> int:

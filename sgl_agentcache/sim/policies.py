@@ -23,9 +23,10 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
 - B1* ``sglang-hicache`` / ``sglang-hicache-wt``: SGLang's own HiCache, its code (``UnifiedRadixCache`` with
   ``init_hicache``: host pool, cache controller, ``direct`` io) driven offline (``server/offline.py``), the
   host pool sized to the same host budget; write-back and write-through.
-- B2 ``infercept``: InferCept's min-waste rule with pipelined, budgeted swap (paper §4), on HiCache
-  write-back (evicted nodes go to the same host tier: without it InferCept, built on a vLLM with no host
-  cache, recomputed 1.4-4x stock's tokens wherever a host tier was given -- a strawman): a pause is
+- B2 ``infercept``: InferCept's min-waste rule with pipelined, budgeted swap (paper §4), on SGLang's own
+  HiCache write-back (evicted nodes go to the same host pool: without it InferCept, built on a vLLM with no
+  host cache, recomputed 1.4-4x stock's tokens wherever a host tier was given -- a strawman); a swap
+  demotes the paused branch's suffix into HiCache's host pool (``server/hicache_moves.py``): a pause is
   swapped (offloaded) while the swap budget -- what the host link moves while the GPU computes --
   has room, else preserved or discarded, whichever wastes less memory-time (preserve: expected
   remaining interception x tokens; discard with chunked recompute: ``C (C/2 + C_other) / prefill
@@ -36,15 +37,16 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
   same ``MemUsage(r)/M``, which cancels), with the per-tool empirical CDF after 100 samples, the global
   one after 100 in all, else the Exp(1) cold start (``ln B`` when ``B > 1 s``); ``T`` the mean queueing
   delay of returning calls that lost KV, ``eta = -Corr(k, N - k)`` over finished sessions. Expiry
-  unpins (back to LRU). With a host tier, evicted KV goes to host as in Continuum's evaluation
-  (LMCache DRAM offload) and PrefillOrReload is the reload time. ``continuum-2s`` is the public
+  unpins (back to LRU). With a host tier, evicted KV goes to SGLang's HiCache host pool (write-back), as
+  in Continuum's evaluation it goes to LMCache's DRAM offload, and PrefillOrReload is the reload time. ``continuum-2s`` is the public
   fork's fixed rule (pin 2 s when the tool's running mean is at most 2 s). Only Continuum's cache side
   runs here: its program-level FCFS scheduling does not, so the results label it "LRU write-back + TTL
   pin", not Continuum.
 - B4 ``kvflow``: KVFlow's steps-to-execution eviction over its agent step graph (``sim/stepgraph.py``:
   the structure seen so far -- running branches, tool stops, spawned workers, ends; no times, and no
-  trace future: it once counted each branch's remaining calls) on HiCache write-back, with prefetch of
-  the agents whose next step is within ``load_ahead_step`` (2).
+  trace future: it once counted each branch's remaining calls) on SGLang's own HiCache write-back (as
+  KVFlow itself is built on SGLang's HiCache), with prefetch through HiCache's load path of the agents
+  whose next step is within ``load_ahead_step`` (2).
 - B5 ``session-radix``: SGLang's ``--enable-session-radix-cache`` soft protection (reference, no host).
 - ours: lifecycle rank, quotas and closes, our pause policy (learned latency distributions), the node
   spill, and a prefetch at the tool class's learned median (into free memory only).
@@ -254,13 +256,14 @@ POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
                  hicache="write_back"),
     ReplayPolicy("sglang-hicache-wt", "B1* SGLang's own HiCache, write-through (its code, offline)", stock=True,
                  hicache="write_through"),
-    ReplayPolicy("infercept", "B2 InferCept min-waste, budgeted swap + write-back", ranking=LruRanking, spill=True,
-                 pause_rule=InferCeptRule),
-    ReplayPolicy("continuum", "B3 LRU write-back + TTL pin (Continuum's Eq. 2 TTL, not its scheduler)",
-                 ranking=LruRanking, spill=True, pause_rule=ContinuumRule),
-    ReplayPolicy("continuum-2s", "B3' LRU write-back + 2 s pin (Continuum's public rule, not its scheduler)",
-                 ranking=LruRanking, spill=True, pause_rule=ContinuumFixedRule),
-    ReplayPolicy("kvflow", "B4 KVFlow steps-to-execution + prefetch", ranking=StepsRanking, spill=True, steps=True),
+    ReplayPolicy("infercept", "B2 InferCept min-waste, budgeted swap, on SGLang's HiCache (write-back)",
+                 ranking=LruRanking, pause_rule=InferCeptRule, hicache="write_back"),
+    ReplayPolicy("continuum", "B3 SGLang HiCache write-back + TTL pin (Continuum's Eq. 2 TTL, not its scheduler)",
+                 ranking=LruRanking, pause_rule=ContinuumRule, hicache="write_back"),
+    ReplayPolicy("continuum-2s", "B3' SGLang HiCache write-back + 2 s pin (Continuum's public rule, not its scheduler)",
+                 ranking=LruRanking, pause_rule=ContinuumFixedRule, hicache="write_back"),
+    ReplayPolicy("kvflow", "B4 KVFlow steps-to-execution + prefetch, on SGLang's HiCache (write-back)",
+                 ranking=StepsRanking, steps=True, hicache="write_back"),
     ReplayPolicy("session-radix", "B5 SGLang session-radix (no host tier)", stock=True, session_radix=True),
     ReplayPolicy("agentcache", "ours: lifecycle + pause policy + spill", hints=True, quotas=True, spill=True,
                  pause_rule=OursRule),
