@@ -365,3 +365,28 @@ def test_a_tenant_purge_after_a_restart_deletes_its_l3_pages_through_the_manifes
         from_l3 = generate(second, "globex")["meta_info"]
         assert from_l3["cached_tokens_details"]["storage"] >= prompt_pages * 16 - 16, from_l3
         assert generate(second, "acme")["meta_info"]["cached_tokens"] == 0  # nothing of acme's left anywhere
+
+
+def test_an_eager_offload_demotes_the_paused_branch_into_hicaches_host_pool_at_once(tiny_model, tokens, tmp_path):
+    """``AGENTCACHE_PAUSE_MODE=eager`` on HiCache: an OFFLOAD decision moves the paused branch's history
+    into HiCache's host pool at the pause (no device pressure needed), and its next turn loads it all
+    back from host, with the same logprobs as a device hit."""
+    import json
+
+    priors = json.dumps({"ci_run": {"median_s": 60.0, "sigma": 1.5}})
+    srv = _server(tiny_model, tmp_path, *_policy("write_back"), AGENTCACHE_PROFILE="seed",
+                  AGENTCACHE_TOOL_PRIORS=priors, AGENTCACHE_PAUSE_MODE="eager")
+    with srv.start():
+        history = tokens.ids(PROMPT_TOKENS)
+        _generate(srv, history, {"session": "eager"})
+        device_hit = _generate(srv, history, {"session": "eager"})
+        assert device_hit["cached_tokens_details"]["device"] == PROMPT_TOKENS - 1
+        status, paused = srv.request("POST", "/agentcache/pause", {"session": "eager", "tool_class": "ci_run"})
+        assert status == 200 and paused["action"] == "offload" and paused["lazy"] is False, paused
+        assert paused["moved_tokens"] >= PROMPT_TOKENS - 1, paused
+        stats = _settled(srv, lambda s: s["host_tokens_by_class"]["session"] >= PROMPT_TOKENS - 1)
+        assert stats["host_tokens_by_class"]["session"] >= PROMPT_TOKENS - 1
+        back = _generate(srv, history, {"session": "eager"})
+        assert back["cached_tokens_details"] == {"device": 0, "host": PROMPT_TOKENS - 1}, back
+        assert _logprobs(back) == _logprobs(device_hit)
+        _check(srv)
