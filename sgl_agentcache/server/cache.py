@@ -182,7 +182,8 @@ class AgentRadixCache(UnifiedRadixCache):
         lifecycle decides what they hold: closes and purges delete a branch's nodes on the device and
         in the host pool (never demote them), and a terminated node under eviction is deleted, not
         backed up. Our own host tier (node spill, copy-ahead, async loads, eager offload room) is off:
-        two host tiers would copy the same tokens twice. Pauses are advice only (lazy) on this path."""
+        two host tiers would copy the same tokens twice. Pauses are advice (lazy) by default; an applied
+        offload demotes the branch into HiCache's host pool (``PauseBook._offload_on_hicache``)."""
         super().init_hicache(server_args, params)
         self.on_hicache = True
         if self.spill.enabled or os.environ.get(HOST_TOKENS_ENV):
