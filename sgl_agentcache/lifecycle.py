@@ -230,3 +230,12 @@ def namespace_salt(namespace: str) -> str | None:
         return split_namespace(namespace)[1]
     except ValueError:
         return None
+
+
+def parent_refusal(parent: BranchKey, seen, closed) -> str | None:
+    """Why a fork of ``parent`` must be refused, or None (pure)."""
+    if parent in closed:
+        return f"parent branch {parent.session}/{parent.branch} is closed"
+    if parent not in seen:
+        return f"unknown parent branch {parent.session}/{parent.branch}"
+    return None

@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
 from kv_stamps import path_kv, stamp_prompt_kv
 
 from sgl_agentcache.hints import lifecycle_envelope
-from sgl_agentcache.server.admission import _after_on_idle, _around_add_one_req
+from sgl_agentcache.server.admission import after_on_idle, around_add_one_req
 from sgl_agentcache.server.async_load import ASYNC_LOAD_ENV, MAX_WAIT_STEPS, async_load_wanted
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_ENV
 from sgl_agentcache.server.offline import OfflineDriver, OfflineOutOfMemory, build_offline_cache
@@ -139,10 +139,10 @@ def test_the_scheduler_skips_the_request_until_its_next_match(monkeypatch):
     # The plugin's hook on PrefillAdder.add_one_req: the request is passed over, nothing is added.
     adder = type("Adder", (), {"tree_cache": run.cache, "rem_total_tokens": 10, "cur_rem_tokens": 10})()
     added = []
-    assert _around_add_one_req(lambda *a, **k: added.append(a), adder, req, False, None) is AddReqResult.CONTINUE
+    assert around_add_one_req(lambda *a, **k: added.append(a), adder, req, False, None) is AddReqResult.CONTINUE
     assert not added
     other = type("Req", (), {"rid": "someone-else"})()
-    _around_add_one_req(lambda *a, **k: added.append(a), adder, other, False, None)
+    around_add_one_req(lambda *a, **k: added.append(a), adder, other, False, None)
     assert len(added) == 1  # a request with nothing in flight goes to the real add_one_req
     with run.driver.activated():
         req.init_next_round_input(run.cache)  # the next step's admission match finishes the load
@@ -155,7 +155,7 @@ def _skipped_by_the_hook(cache, req) -> bool:
     """The plugin's hook on PrefillAdder.add_one_req passes ``req`` over (nothing reaches the real one)."""
     adder = type("Adder", (), {"tree_cache": cache, "rem_total_tokens": 10, "cur_rem_tokens": 10})()
     added = []
-    skipped = _around_add_one_req(lambda *a, **k: added.append(a), adder, req, False, None) is AddReqResult.CONTINUE
+    skipped = around_add_one_req(lambda *a, **k: added.append(a), adder, req, False, None) is AddReqResult.CONTINUE
     return skipped and not added
 
 
@@ -265,7 +265,7 @@ def test_a_load_that_took_memory_the_batch_was_admitted_against_gives_it_back(mo
     free = run.cache.token_to_kv_pool_allocator.available_size()
     adder = type("Adder", (), {"tree_cache": run.cache, "rem_total_tokens": -5, "cur_rem_tokens": 100})()
     added = []
-    _around_add_one_req(lambda *a, **k: added.append(a) or AddReqResult.CONTINUE, adder, req, False, None)
+    around_add_one_req(lambda *a, **k: added.append(a) or AddReqResult.CONTINUE, adder, req, False, None)
     assert len(added) == 1 and not run.cache.loads.pending(req.rid)
     assert run.cache.loads.counters["abandoned"]["no_room"] == 1
     assert run.cache.token_to_kv_pool_allocator.available_size() > free  # the slots came back
@@ -288,7 +288,7 @@ def test_an_idle_scheduler_lands_a_load_whose_owner_the_step_never_reached(monke
     evictable = run.cache.evictable_size()
     scheduler = type("Scheduler", (), {"tree_cache": run.cache})()
     with run.driver.activated():
-        assert _after_on_idle(None, scheduler) is None  # the scheduler found no batch this step
+        assert after_on_idle(None, scheduler) is None  # the scheduler found no batch this step
     assert not loads.pending(req.rid) and loads.in_flight_tokens() == 0 and loads.counters["landed_idle"] == 1
     assert run.cache.evictable_size() >= evictable + held  # the slots are the tree's now: evictable
     run.step(req)  # its next admission match hits what the load brought

@@ -17,7 +17,7 @@ import pytest
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import namespace_key
-from sgl_agentcache.server import http, ingress
+from sgl_agentcache.server import front, ingress
 from sgl_agentcache.server.coordinator import PauseCoordinator
 
 NS = namespace_key(None, None)
@@ -46,7 +46,7 @@ class HeldScheduler:
 def held(monkeypatch):
     scheduler = HeldScheduler()
     coordinator = PauseCoordinator(send=scheduler.send, clock=lambda: 0.0)
-    monkeypatch.setattr(http, "coordinator", coordinator)
+    monkeypatch.setattr(front, "coordinator", coordinator)
     return scheduler, coordinator
 
 

@@ -215,7 +215,7 @@ def test_a_bad_setting_stops_the_scheduler_at_start_and_the_chat_pins_hold(monke
     """The HTTP process can only log a plugin error, so the backend factory checks the settings too;
     the chat serving internals inference hooks match the installed SGLang."""
     from sgl_agentcache.server.cache import _check_chat_inference_settings
-    from sgl_agentcache.server.chat_hooks import CHAT_PINS
+    from sgl_agentcache.server.pins import CHAT_PINS
     from sgl_agentcache.server.pins import check_pinned_internals
 
     check_pinned_internals(CHAT_PINS)

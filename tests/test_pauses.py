@@ -476,7 +476,7 @@ def test_a_resume_restores_when_the_request_is_matched_for_a_batch_not_when_it_a
     back, and the pause ends, when the scheduler admits the request to a batch. Restored at arrival,
     it would sit unlocked while the request waits, in the pool the running batch evicts from.
     ``async_load``: that match issues the copy to a worker (the scheduler skips the request for the
-    step, ``admission._around_add_one_req``) and the next match inserts it."""
+    step, ``admission.around_add_one_req``) and the next match inserts it."""
     from array import array
 
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope

@@ -14,7 +14,7 @@ import random
 from sglang.srt.managers.schedule_policy import AddReqResult
 
 from sgl_agentcache.hints import lifecycle_envelope
-from sgl_agentcache.server.admission import MIN_SHARED_PREFILL_TOKENS, _around_add_one_req
+from sgl_agentcache.server.admission import MIN_SHARED_PREFILL_TOKENS, around_add_one_req
 from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
 from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
 
@@ -39,7 +39,7 @@ class Step:
         def admit(adder, r, *args, **kwargs):
             adder.can_run_list.append(r)
             return None
-        return _around_add_one_req(admit, self, req, False, None)
+        return around_add_one_req(admit, self, req, False, None)
 
 
 def _queued(driver, n: int, stable: int | None = len(SYSTEM), seed: int = 0, extra_key: str | None = None):

@@ -42,7 +42,6 @@ rank is idle at the same loop iteration (same messages, same batches), so they l
 
 from __future__ import annotations
 
-from sgl_agentcache.lifecycle import BranchKey
 from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
 from sgl_agentcache.server.request_state import state_of
 
@@ -71,7 +70,7 @@ def _around_create_generation_req(original, scheduler, recv_req, *args, **kwargs
     return req
 
 
-def _around_calc_priority(original, policy, *args, **kwargs):
+def around_calc_priority(original, policy, *args, **kwargs):
     cache = getattr(policy, "tree_cache", None)
     ranking = getattr(cache, "ranking_matches", None)
     if ranking is None:  # another backend
@@ -135,7 +134,7 @@ def load_host_copies_if_admissible(adder, req, cache) -> None:
         cache.host_loads_refused += 1
 
 
-def _around_add_one_req(original, adder, req, *args, **kwargs):
+def around_add_one_req(original, adder, req, *args, **kwargs):
     cache = getattr(adder, "tree_cache", None)
     loads = getattr(cache, "loads", None)
     state = state_of(req)
@@ -172,7 +171,7 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
     return result
 
 
-def _after_on_idle(result, scheduler, *args, **kwargs):
+def after_on_idle(result, scheduler, *args, **kwargs):
     cache = scheduler.tree_cache
     copies = getattr(cache, "copies", None)
     if copies is not None and (copies.offloading or cache.loads.prefetches):  # a few reads per idle poll otherwise
@@ -190,16 +189,7 @@ def install() -> None:
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._create_generation_req",
                           _around_create_generation_req, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
-                          _around_calc_priority, HookType.AROUND)
+                          around_calc_priority, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
-                          _around_add_one_req, HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER)
-
-
-def parent_refusal(parent: BranchKey, seen, closed) -> str | None:
-    """Why a fork of ``parent`` must be refused, or None (pure)."""
-    if parent in closed:
-        return f"parent branch {parent.session}/{parent.branch} is closed"
-    if parent not in seen:
-        return f"unknown parent branch {parent.session}/{parent.branch}"
-    return None
+                          around_add_one_req, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", after_on_idle, HookType.AFTER)

@@ -44,10 +44,9 @@ from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.fork_points import BranchContexts
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, UNTAGGED_STATE, BranchKey, InsertPlan, NodeClass,
-                                      RecentBranches, namespace_key, namespace_salt)
+                                      RecentBranches, namespace_key, namespace_salt, parent_refusal)
 from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.retention import Band, RetentionModel, device_rank, host_band
-from sgl_agentcache.server.admission import parent_refusal
 from sgl_agentcache.server.agreement import default_agreement
 from sgl_agentcache.server.async_load import AsyncLoads, async_load_wanted
 from sgl_agentcache.server.copy_ahead import COPY_AHEAD_TOKENS_ENV, CopyAhead, copy_ahead_wanted
@@ -1187,10 +1186,9 @@ def _check_chat_inference_settings() -> None:
     """A bad ``AGENTCACHE_INFER*`` setting or changed chat internals stop start-up here: the HTTP
     process's plugin hook that reads them can only log (SGLang logs plugin errors and goes on)."""
     from sgl_agentcache.chat_infer import idle_seconds, infer_mode, learn_after_gaps
-    from sgl_agentcache.server.pins import check_pinned_internals
+    from sgl_agentcache.server.pins import CHAT_PINS, check_pinned_internals
 
     if infer_mode() == "chat":
-        from sgl_agentcache.server.chat_hooks import CHAT_PINS
 
         idle_seconds()
         learn_after_gaps()

@@ -24,7 +24,7 @@ The rules live in :mod:`sgl_agentcache.chat_infer`; this module is the SGLang co
 
 With tenancy an inferred session lives in the caller's namespace and needs no session credential: the
 server made it, and the namespace alone keeps tenants apart. Pinned SGLang internals:
-:data:`CHAT_PINS` (checked when inference is switched on).
+``pins.CHAT_PINS`` (checked when inference is switched on).
 """
 
 from __future__ import annotations
@@ -46,23 +46,12 @@ from sgl_agentcache.hints import ID_REGEX, lifecycle_envelope
 from sgl_agentcache.lifecycle import namespace_key
 from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.gap_bounds import FLOOR_S
-from sgl_agentcache.server.pins import Pin, check_pinned_internals
+from sgl_agentcache.server import front
+from sgl_agentcache.server.pins import CHAT_PINS, check_pinned_internals
 
 logger = logging.getLogger(__name__)
 
 _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
-_PIN_AT = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat"
-#: The chat serving internals inference hooks or calls, with their parameters (SGLang 0.5.23).
-CHAT_PINS = (
-    Pin(f"{_PIN_AT}._convert_to_internal_request", ("self", "request", "raw_request"),
-        "the hint is inferred once the prompt is rendered"),
-    Pin(f"{_PIN_AT}._handle_non_streaming_request", ("self", "adapted_request", "request", "raw_request"),
-        "a reply's tool calls pause the branch"),
-    Pin(f"{_PIN_AT}._generate_chat_stream", ("self", "adapted_request", "request", "raw_request"),
-        "a streamed reply's tool calls pause the branch"),
-    Pin(f"{_PIN_AT}._process_messages", ("self", "request", "is_multimodal", "output_constrained"),
-        "the stable prefix and fork point are where the template's own rendering stops matching"),
-)
 _ID = re.compile(ID_REGEX)
 
 
@@ -241,16 +230,14 @@ def _after_validate_one_request(result, tokenizer_manager, obj, *args, **kwargs)
 
 def _slowest(namespace: str, names: list[str]) -> str:
     """Of the called functions, the one whose learned median latency is longest."""
-    from sgl_agentcache.server.http import coordinator
 
     valid = [n for n in dict.fromkeys(names) if len(n) <= 64 and _ID.match(n)] or ["tool"]
-    return max(valid, key=lambda n: coordinator.book.peek(namespace, n).quantile(0.5))
+    return max(valid, key=lambda n: front.coordinator.book.peek(namespace, n).quantile(0.5))
 
 
 async def _finish(pending: _Pending, called: list[str] | None) -> None:
     """The request ended; ``called``: its tool calls' function names when it finished with tool calls."""
     from sgl_agentcache.server import auth
-    from sgl_agentcache.server.http import coordinator
 
     if pending.finished:
         return
@@ -262,7 +249,7 @@ async def _finish(pending: _Pending, called: list[str] | None) -> None:
         return
     try:
         if called:  # in the background: the response (or its [DONE]) is not held back for it
-            coordinator.pause_soon(pending.namespace, inferred.session, inferred.branch,
+            front.coordinator.pause_soon(pending.namespace, inferred.session, inferred.branch,
                                    tool_class=_slowest(pending.namespace, called), deadline_ms=None, priority=0,
                                    resume_required=True, ceilings=auth.ceilings_for(pending.identity))
     except Exception:  # noqa: BLE001 - a pause must never fail the call it follows
@@ -338,22 +325,20 @@ async def _close(namespace: str, session: str, branch: str, reason: str) -> None
     meanwhile), ``"tool_bound"`` (paused on its tool far past the namespace's learned tool gaps: the
     pause ends with it), ``"subagent"`` (a finished fork of a branch resuming from its tool) or
     ``"bounds"`` (inference's memory bounds)."""
-    from sgl_agentcache.server.http import _send, coordinator
 
-    await coordinator.settle([(namespace, session, branch)])
-    if reason == "idle" and (namespace, session, branch) in coordinator.on_tools():
+    await front.coordinator.settle([(namespace, session, branch)])
+    if reason == "idle" and (namespace, session, branch) in front.coordinator.on_tools():
         return  # paused on a tool meanwhile: not idle after all
     # A guess, not the client's word: the branch ends, its KV stays as untagged cache (keep_cached).
-    status, result = await _send("branch_close", {"namespace": namespace, "session": session, "branch": branch,
-                                                  "keep_cached": True})
+    status, result = await front.send_to_scheduler("branch_close", {"namespace": namespace, "session": session,
+                                                                     "branch": branch, "keep_cached": True})
     if status == 200:
-        coordinator.finished(namespace, session, branch, reason=reason)
+        front.coordinator.finished(namespace, session, branch, reason=reason)
     elif status != 404:  # 404: the scheduler never saw it (a request refused before admission)
         logger.info("agentcache: closing inferred branch %s (%s) failed: %s %s", branch, reason, status, result)
 
 
 async def _sweep_forever() -> None:
-    from sgl_agentcache.server.http import coordinator
 
     # Sweeping at a quarter of the shortest possible bound closes a branch within 25% of its bound;
     # learned bounds are never under FLOOR_S, fixed ones are idle_s.
@@ -363,7 +348,7 @@ async def _sweep_forever() -> None:
         await asyncio.sleep(period)
         try:
             with _lock:
-                closing = state.idle(time.monotonic(), busy=coordinator.on_tools())
+                closing = state.idle(time.monotonic(), busy=front.coordinator.on_tools())
                 bounded, _to_close[:] = list(_to_close), []
             for item in bounded + closing:
                 await _close(item.namespace, item.session, item.branch, reason=item.reason)
@@ -410,4 +395,4 @@ def install() -> None:
     logger.info("agentcache: chat inference on (idle close after %.0f s)", state.idle_s)
 
 
-__all__ = ["CHAT_PINS", "claim_inferred", "enabled", "infer", "install", "stats"]
+__all__ = ["claim_inferred", "enabled", "infer", "install", "stats"]

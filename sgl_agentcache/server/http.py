@@ -19,36 +19,10 @@ from sgl_agentcache import BACKEND_NAME, __version__
 from sgl_agentcache.hints import (BranchRef, HintError, PauseRef, PrefetchRef, SessionOpen, SessionRef, TenantRef,
                                   parse_route_body)
 from sgl_agentcache.lifecycle import namespace_key
-from sgl_agentcache.server import auth, chat_hooks
-from sgl_agentcache.server.control import call_schedulers
-from sgl_agentcache.server.control_channel import ControlChannel
-from sgl_agentcache.server.coordinator import PauseCoordinator
+from sgl_agentcache.server import auth, chat_hooks, front
 from sgl_agentcache.tenancy import Ceilings, CredentialError, Identity
 
 router = APIRouter(prefix="/agentcache", tags=["agentcache"])
-
-
-async def _send_batch(ops: list[tuple[str, dict]]) -> list[tuple[int, dict]]:
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    reply = await call_schedulers(get_global_state().tokenizer_manager, "batch",
-                                  {"ops": [[op_name, args] for op_name, args in ops]})
-    if reply.status != 200:  # the batch itself was refused (no agentcache backend...): so is each op
-        return [(reply.status, reply.result)] * len(ops)
-    return [(status, result) for status, result in reply.result["replies"]]
-
-
-#: Every control op of this process goes through one channel: batched, each namespace served in turn.
-channel = ControlChannel(_send_batch)
-
-
-async def _send(op_name: str, args: dict) -> tuple[int, dict]:
-    """One control op, in the lane of the namespace it concerns (operator ops share the lane ``""``)."""
-    return await channel.call(str(args.get("namespace") or ""), op_name, args)
-
-
-#: The HTTP process's pause coordinator (clocks, latency book, deadlines); see coordinator.py.
-coordinator = PauseCoordinator(send=_send)
 
 
 async def _body(request: Request, kind: type):
@@ -62,7 +36,7 @@ async def _forward(op_name: str, args: dict | None = None, extra: dict | None = 
     """Run a control op and answer with its result. The caller first settles the background pauses
     of what the op reads or changes (what a client reads or changes after a response includes the
     pause that response started; never another tenant's)."""
-    status, result = await _send(op_name, args or {})
+    status, result = await front.send_to_scheduler(op_name, args or {})
     return JSONResponse(result | extra if status == 200 and extra else result, status_code=status)
 
 
@@ -102,13 +76,13 @@ async def stats(request: Request) -> JSONResponse:
     identity = auth.identity_of(request)
     if auth.tenancy is not None and identity is not None and identity.tenant is not None:
         namespace = namespace_key(None, auth.bound_salt(identity))
-        await coordinator.settle(namespace=namespace)
+        await front.coordinator.settle(namespace=namespace)
         return await _forward("stats", {"namespace": namespace}, extra={
             "tenant": identity.tenant, "ceilings": msgspec.to_builtins(auth.ceilings_for(identity)),
-            "coordinator": coordinator.stats(namespace), "chat_inference": chat_hooks.stats(namespace)})
-    await coordinator.settle()
-    extra = {"backend": BACKEND_NAME, "version": __version__, "coordinator": coordinator.stats(),
-             "chat_inference": chat_hooks.stats(), "control_channel": channel.stats()}
+            "front.coordinator": front.coordinator.stats(namespace), "chat_inference": chat_hooks.stats(namespace)})
+    await front.coordinator.settle()
+    extra = {"backend": BACKEND_NAME, "version": __version__, "front.coordinator": front.coordinator.stats(),
+             "chat_inference": chat_hooks.stats(), "control_channel": front.channel.stats()}
     if auth.tenancy is not None:
         extra["trust"] = auth.trust.stats()
     return await _forward("stats", extra=extra)
@@ -117,14 +91,14 @@ async def stats(request: Request) -> JSONResponse:
 @router.get("/check")
 async def check() -> JSONResponse:
     """Run the tree-integrity check (conservation checks apply only when the scheduler is idle)."""
-    await coordinator.settle()
+    await front.coordinator.settle()
     return await _forward("check")
 
 
 @router.get("/deletions")
 async def deletions() -> JSONResponse:
     """Every node deletion so far, in order (diagnostics; needs AGENTCACHE_RECORD_EVICTIONS=1)."""
-    await coordinator.settle()
+    await front.coordinator.settle()
     return await _forward("deletions")
 
 
@@ -160,12 +134,12 @@ async def branch_close(request: Request) -> JSONResponse:
         return scope
     ref = scope.ref
     # A pause still being applied is closed with the branch, not after it.
-    await coordinator.settle([(scope.namespace, ref.session, ref.branch)])
-    coordinator.forget(scope.namespace, ref.session, ref.branch)
+    await front.coordinator.settle([(scope.namespace, ref.session, ref.branch)])
+    front.coordinator.forget(scope.namespace, ref.session, ref.branch)
     response = await _forward("branch_close", {"namespace": scope.namespace, "session": ref.session,
                                                "branch": ref.branch})
     if response.status_code == 200:
-        coordinator.finished(scope.namespace, ref.session, ref.branch)
+        front.coordinator.finished(scope.namespace, ref.session, ref.branch)
     return response
 
 
@@ -177,13 +151,13 @@ async def session_close(request: Request) -> JSONResponse:
     if isinstance(scope, JSONResponse):
         return scope
     ref = scope.ref
-    await coordinator.settle(namespace=scope.namespace, session=ref.session)
-    coordinator.forget(scope.namespace, ref.session)
+    await front.coordinator.settle(namespace=scope.namespace, session=ref.session)
+    front.coordinator.forget(scope.namespace, ref.session)
     if scope.identity is not None:
         auth.tenancy.tombstone(scope.identity.tenant, ref.session, time.time())
     response = await _forward("session_close", {"namespace": scope.namespace, "session": ref.session})
     if response.status_code == 200:
-        coordinator.finished(scope.namespace, ref.session)
+        front.coordinator.finished(scope.namespace, ref.session)
     return response
 
 
@@ -200,7 +174,7 @@ async def pause(request: Request) -> JSONResponse:
     ref = scope.ref
     asked = {"deadline_ms": ref.deadline_ms, "priority": ref.priority}
     clipped = auth.clip(scope.identity, asked, request.url.path)
-    status, result = await coordinator.pause(
+    status, result = await front.coordinator.pause(
         scope.namespace, ref.session, ref.branch, tool_class=ref.tool_class, deadline_ms=asked["deadline_ms"],
         priority=asked["priority"], resume_required=ref.resume_required, ceilings=scope.ceilings)
     if clipped and status == 200:
@@ -214,7 +188,7 @@ async def resume(request: Request) -> JSONResponse:
     scope = await _scoped(request, BranchRef)
     if isinstance(scope, JSONResponse):
         return scope
-    status, result = await coordinator.resume(scope.namespace, scope.ref.session, scope.ref.branch)
+    status, result = await front.coordinator.resume(scope.namespace, scope.ref.session, scope.ref.branch)
     return JSONResponse(result, status_code=status)
 
 
@@ -225,7 +199,7 @@ async def prefetch(request: Request) -> JSONResponse:
     if isinstance(scope, JSONResponse):
         return scope
     ref = scope.ref
-    status, result = await coordinator.prefetch(scope.namespace, ref.session, ref.branch, ref.expected_remaining_ms,
+    status, result = await front.coordinator.prefetch(scope.namespace, ref.session, ref.branch, ref.expected_remaining_ms,
                                                 ceilings=scope.ceilings)
     return JSONResponse(result, status_code=status)
 
@@ -242,8 +216,8 @@ async def purge(request: Request) -> JSONResponse:
     if ref.tenant not in auth.tenancy.config.tenants:
         return JSONResponse({"error": f"unknown tenant {ref.tenant!r} (nothing changed)"}, status_code=404)
     salt = auth.tenancy.salt(ref.tenant)
-    await coordinator.settle(namespace=namespace_key(None, salt))
-    dropped = coordinator.purge(namespace_key(None, salt))
+    await front.coordinator.settle(namespace=namespace_key(None, salt))
+    dropped = front.coordinator.purge(namespace_key(None, salt))
     chat_hooks.forget_namespace(namespace_key(None, salt))
     response = await _forward("purge", {"cache_salt": salt}, extra={"tenant": ref.tenant, "pauses_dropped": dropped})
     auth.trust.record("purged", ref.tenant, status=response.status_code)
@@ -261,7 +235,7 @@ async def fault(request: Request) -> JSONResponse:
         body = msgspec.json.decode(await request.body(), type=dict[str, str | int | bool])
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         return JSONResponse({"error": f"invalid body: {exc}"}, status_code=400)
-    await coordinator.settle()
+    await front.coordinator.settle()
     return await _forward("fault", body)
 
 

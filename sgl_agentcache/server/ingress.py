@@ -29,6 +29,7 @@ import uuid
 from array import array
 
 from sgl_agentcache.hints import HINT_HEADER, HintError, find_lifecycle_hint, lifecycle_envelope, parse_header
+from sgl_agentcache.server import front
 
 logger = logging.getLogger(__name__)
 
@@ -234,12 +235,11 @@ def _note_arrivals(obj) -> None:
     """Tell the pause coordinator (its clock) what a request's arrival means: a paused branch's tool
     returned, or an idle branch's gap ended; a subagent's first call starts its lifetime (what its
     paused lead waits on)."""
-    from sgl_agentcache.server.http import coordinator
 
     for namespace, hint in _hinted(obj):
         if hint.is_fork:
-            coordinator.note_fork(namespace, hint.session, hint.branch, hint.parent_branch)
-        coordinator.note_request(namespace, hint.session, hint.branch)
+            front.coordinator.note_fork(namespace, hint.session, hint.branch, hint.parent_branch)
+        front.coordinator.note_request(namespace, hint.session, hint.branch)
 
 
 def _watched(obj) -> tuple | None:
@@ -267,31 +267,28 @@ def _around_generate_request(original, tokenizer_manager, obj, *args, **kwargs):
     the branch; an aborted fork is cancelled (event log). A request of a branch (or a fork of a
     branch) whose pause is still being applied waits for it before it reaches the scheduler: a pause
     never lands after the turn that ends it, nor after a fork the agent made once it had the reply."""
-    from sgl_agentcache.server.http import coordinator
 
     watched = _watched(obj)
     gen = original(tokenizer_manager, obj, *args, **kwargs)
     if watched is not None:
         gen = _on_finish(gen, *watched)
-    if coordinator.pending and getattr(obj, "kv_hints", None):
+    if front.coordinator.pending and getattr(obj, "kv_hints", None):
         keys = _branch_keys(obj, parents=True)  # a fork, too, starts after its parent's pause
-        if coordinator.has_pending(keys):
+        if front.coordinator.has_pending(keys):
             gen = _after_pending(gen, keys)
     return gen
 
 
 async def _after_pending(gen, keys):
     """``gen``, started once the pending pauses of ``keys`` are applied."""
-    from sgl_agentcache.server.http import coordinator
 
-    await coordinator.settle(keys)
+    await front.coordinator.settle(keys)
     async for item in gen:
         yield item
 
 
 async def _on_finish(gen, namespace: str, hint):
     from sgl_agentcache.server import auth
-    from sgl_agentcache.server.http import coordinator
 
     ceilings = auth.ceilings_for(auth.identity_of())  # the hint itself was clipped at the front door
     async for item in gen:
@@ -299,15 +296,15 @@ async def _on_finish(gen, namespace: str, hint):
         aborted = isinstance(finish, dict) and finish.get("type") == "abort"
         refused = aborted and finish.get("status_code") == 400  # never started (e.g. unknown parent)
         if finish is not None and aborted and hint.is_fork and not refused:
-            coordinator.finished(namespace, hint.session, hint.branch, state="cancelled", reason="abort")
+            front.coordinator.finished(namespace, hint.session, hint.branch, state="cancelled", reason="abort")
         elif finish is not None and not aborted and hint.close:
-            coordinator.finished(namespace, hint.session, hint.branch, state="completed", reason="hint")
+            front.coordinator.finished(namespace, hint.session, hint.branch, state="completed", reason="hint")
         elif finish is not None and not aborted and hint.tool_class:
-            coordinator.pause_soon(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
+            front.coordinator.pause_soon(namespace, hint.session, hint.branch, tool_class=hint.tool_class,
                                    deadline_ms=hint.deadline_ms, priority=hint.priority or 0,
                                    resume_required=True, ceilings=ceilings)
         elif finish is not None and not aborted:
-            coordinator.note_answered(namespace, hint.session, hint.branch)
+            front.coordinator.note_answered(namespace, hint.session, hint.branch)
         yield item
 
 

@@ -483,12 +483,12 @@ class OfflineDriver:
         requests in SGLang's order; nothing is admitted."""
         from sglang.srt.managers.schedule_policy import SchedulePolicy
 
-        from sgl_agentcache.server.admission import _around_calc_priority
+        from sgl_agentcache.server.admission import around_calc_priority
 
         with self.activated():
             queue = list(waiting)
             scheduler_policy = SchedulePolicy(policy, self.cache, False, False, False)
-            _around_calc_priority(SchedulePolicy.calc_priority, scheduler_policy, queue)
+            around_calc_priority(SchedulePolicy.calc_priority, scheduler_policy, queue)
             return queue
 
     def admit_queued(self, req: OfflineReq, *, max_prefill_tokens: int | None = None,

@@ -192,6 +192,21 @@ class PinnedInternalsChanged(RuntimeError):
     """Raised at start-up when the installed SGLang does not match the internals we were written for."""
 
 
+#: The chat hooks' internals (server/chat_hooks.py), checked when inference is switched on.
+_CHAT = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat"
+#: The chat serving internals inference hooks or calls, with their parameters (SGLang 0.5.23).
+CHAT_PINS = (
+    Pin(f"{_CHAT}._convert_to_internal_request", ("self", "request", "raw_request"),
+        "the hint is inferred once the prompt is rendered"),
+    Pin(f"{_CHAT}._handle_non_streaming_request", ("self", "adapted_request", "request", "raw_request"),
+        "a reply's tool calls pause the branch"),
+    Pin(f"{_CHAT}._generate_chat_stream", ("self", "adapted_request", "request", "raw_request"),
+        "a streamed reply's tool calls pause the branch"),
+    Pin(f"{_CHAT}._process_messages", ("self", "request", "is_multimodal", "output_constrained"),
+        "the stable prefix and fork point are where the template's own rendering stops matching"),
+)
+
+
 def check_pinned_internals(pins: tuple[Pin, ...] = PINS) -> None:
     """Raise :class:`PinnedInternalsChanged` naming every failed pin, or return silently."""
     problems = []

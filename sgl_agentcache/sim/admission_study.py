@@ -38,7 +38,7 @@ from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.replay import replay
 from sgl_agentcache.sim.sessions import (DUPLICATES, METRICS, SESSION_FILES, analyse, collect_rows, group_trace,
                                          groups, session_rows)
-from sgl_agentcache.sim.suite import REPLAY_VOCAB, _environment, mean_ci, pool_for, scaled_profile
+from sgl_agentcache.sim.suite import REPLAY_VOCAB, environment, mean_ci, pool_for, scaled_profile
 from sgl_agentcache.trace.generators import generate
 from sgl_agentcache.trace.transforms import merge_tenants
 
@@ -103,7 +103,7 @@ def run_study(config: AdmissionStudyConfig, profile: Profile, progress=None) -> 
     return {"config": asdict(config), "systems": {n: SYSTEMS[n]._asdict() for n in config.systems},
             "profile": profile.to_dict(), "groups": [list(g) for g in dealt], "duplicates": DUPLICATES,
             "rows": rows, "comparisons": analyse(rows, OURS, METRICS_ADMISSION),
-            "wall_s": time.perf_counter() - started, "environment": _environment()}
+            "wall_s": time.perf_counter() - started, "environment": environment()}
 
 
 @dataclass(frozen=True)

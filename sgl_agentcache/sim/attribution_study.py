@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.sessions import (DUPLICATES, SessionStudyConfig, analyse, collect_rows, group_results, groups,
                                          session_rows)
-from sgl_agentcache.sim.suite import _environment
+from sgl_agentcache.sim.suite import environment
 
 EXPLICIT = "agentcache"
 STEPS = ("agentcache-inferred-v1", "agentcache-inferred-no-edits", "agentcache-inferred-fixed-bounds",
@@ -117,7 +117,7 @@ def run_study(config: AttributionConfig, profile: Profile, progress=None) -> dic
             "duplicates": DUPLICATES, "steps": list(STEPS), "rows": sessions, "comparisons": comparisons,
             "step_comparisons": step_comparisons,
             "summary": summarise([r for r in rows if r["kind"] != "session"]),
-            "wall_s": time.perf_counter() - started, "environment": _environment()}
+            "wall_s": time.perf_counter() - started, "environment": environment()}
 
 
 __all__ = ["EXPLICIT", "FLAGS", "STEPS", "AttributionConfig", "run_group", "run_study", "summarise"]

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if not bad else 1
 
     from sgl_agentcache.sim.replay import replay
-    from sgl_agentcache.sim.suite import REPLAY_VOCAB, _row, pool_for
+    from sgl_agentcache.sim.suite import REPLAY_VOCAB, result_row, pool_for
     from sgl_agentcache.trace.generators import generate
     from sgl_agentcache.trace.schema import load
 
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                                    vocab_size=REPLAY_VOCAB)
             bar.update(task, advance=1)
     cell = {"workload": trace.header.name, "pressure": args.pressure, "host_ratio": args.host, "seed": args.seed}
-    rows = [_row(results[p], results["stock"], cell) for p in names]
+    rows = [result_row(results[p], results["stock"], cell) for p in names]
     console.print(_table(rows, f"replay: {trace.header.name}, {pool}-token pool, host tier {host} tokens, "
                                f"profile {profile.name}"))
     if args.json:

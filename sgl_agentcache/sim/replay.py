@@ -499,7 +499,7 @@ class _Run:
         refused. The server's admission hook runs when a request is *received* (not when it is
         scheduled): a new fork of a closed or unknown parent is refused then (an inferred one runs as a
         branch of its own, as the cache's admission does); any other branch becomes known."""
-        from sgl_agentcache.server.admission import parent_refusal
+        from sgl_agentcache.lifecycle import parent_refusal
 
         trace_key = self.key(request)
         if self.inference is not None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sgl_agentcache.policy.profiles import Profile
 from sgl_agentcache.sim.replay import replay
-from sgl_agentcache.sim.suite import REPLAY_VOCAB, _environment, mean_ci, pool_for, scaled_profile
+from sgl_agentcache.sim.suite import REPLAY_VOCAB, environment, mean_ci, pool_for, scaled_profile
 
 #: Every committed kv-cache-tester trace (``bench/traces/kv-cache-tester/``), in file order.
 SESSION_FILES = (
@@ -238,7 +238,7 @@ def run_study(config: SessionStudyConfig, profile: Profile, progress=None) -> di
                         [f"group {i}: {', '.join(files)}" for i, files in enumerate(dealt)], config.workers, progress)
     return {"config": asdict(config), "profile": profile.to_dict(), "groups": [list(g) for g in dealt],
             "duplicates": DUPLICATES, "rows": rows, "comparisons": analyse(rows),
-            "wall_s": time.perf_counter() - started, "environment": _environment()}
+            "wall_s": time.perf_counter() - started, "environment": environment()}
 
 
 __all__ = ["DUPLICATES", "GROUP_SIZE", "METRICS", "QUICK_FILES", "SESSION_FILES", "SessionStudyConfig", "analyse",

@@ -141,7 +141,7 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else (1.0 if a == 0 else math.inf)
 
 
-def _row(result: ReplayResult, stock: ReplayResult, cell: dict) -> dict:
+def result_row(result: ReplayResult, stock: ReplayResult, cell: dict) -> dict:
     d = result.to_dict()
     base = stock.to_dict()
     return cell | {
@@ -211,7 +211,7 @@ def run_job(config: SuiteConfig, profile: Profile, workload: str, seed: int) -> 
             cell["lower_bound_vs_stock"] = _ratio(cell["lower_bound_tokens"], stock.recomputed_tokens)
             cell["infinite_vs_stock"] = _ratio(infinite.recomputed_tokens, stock.recomputed_tokens)
             for name, result in results.items():
-                rows.append(_row(result, stock, cell))
+                rows.append(result_row(result, stock, cell))
                 if plotted:
                     runs.append({"workload": workload, "pressure": pressure, "host_ratio": host_ratio, "seed": seed,
                                  "policy": name, "resume_latencies_s": result.resume_latencies_s,
@@ -256,7 +256,7 @@ def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], N
             "latency_comparisons": [c for metric in LATENCY_METRICS for c in compare(rows, OURS, metric)
                                     if c["other"] in ("stock", "hicache")],
             "jobs": len(jobs),
-            "wall_s": time.perf_counter() - started, "environment": _environment()}
+            "wall_s": time.perf_counter() - started, "environment": environment()}
 
 
 def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -338,7 +338,7 @@ def compare(rows: list[dict], ours: str, metric: str = "recomputed_tokens") -> l
     return out
 
 
-def _environment() -> dict:
+def environment() -> dict:
     from importlib import metadata
 
     versions = {}
