@@ -467,14 +467,18 @@ def start_server(name: str, model, cfg: dict, log_dir: Path) -> CpuServer:
     if b.admission:
         env |= {"AGENTCACHE_ADMISSION": b.admission}
     extra = ["--schedule-policy", b.schedule_policy]
+    gpu = cfg.get("gpu", False)
     if b.hicache_write_policy:
         # HiCache sizes its host pool as a multiple of the device pool (plus one padding page): the
-        # same host tokens as ours.
-        extra += ["--enable-hierarchical-cache", "--hicache-write-policy", b.hicache_write_policy,
-                  "--hicache-io-backend", "direct", "--hicache-ratio", f"{cfg['host_ratio']:g}"]
+        # same host tokens as ours. On CPU the ``direct`` io backend (the CPU shim's); on a GPU SGLang's
+        # kernel io backend with its ``page_first`` layout, the production setting.
+        io = ("--hicache-io-backend", "kernel", "--hicache-mem-layout", "page_first") if gpu else \
+            ("--hicache-io-backend", "direct")
+        extra += ["--enable-hierarchical-cache", "--hicache-write-policy", b.hicache_write_policy, *io,
+                  "--hicache-ratio", f"{cfg['host_ratio']:g}"]
     return CpuServer(str(model.path), backend=b.radix_backend, log_path=log_dir / f"{name}.log",
                      max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env,
-                     extra_args=tuple(extra))
+                     extra_args=tuple(extra), gpu=gpu)
 
 
 def has_host_tier(name: str) -> bool:
@@ -695,6 +699,13 @@ def paired(ours: dict, theirs: dict) -> dict:
     return out
 
 
+def _gpu_name() -> str | None:
+    """The CUDA device's name (the servers run on it), for the results."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny trace (for the test)")
@@ -705,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how a call that ends in a tool pauses its branch (see the module docstring)")
     ap.add_argument("--backends", help="comma-separated subset of the backends (default: all); the results "
                                        "then go to server_recompute-<subset>.json, the full run's file stays")
+    ap.add_argument("--gpu", action="store_true",
+                    help="serve on a CUDA GPU (SGLang 0.5.23 with its CUDA stack installed; bench/gpu/README.md): "
+                         "GPU flags, HiCache's kernel io backend and page_first layout; results under a -gpu stem")
     ap.add_argument("--trace-seeds", type=int, default=1,
                     help="independent traces (generator seeds from the mode's): with more than one, ratios are "
                          "reported per trace and with an interval over traces (server_recompute-seeds<N>...json)")
@@ -718,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
         stem = stem.replace("server_recompute", f"server_recompute-seeds{args.trace_seeds}", 1)
     mode = "quick" if args.quick else "full"
     cfg = MODES[mode] | {"pause_via": args.pause_via} | ({"passes": args.passes} if args.passes is not None else {})
+    if args.gpu:
+        stem += "-gpu"
+        cfg["gpu"] = True
     if cfg["passes"] < 1 or args.trace_seeds < 1:
         ap.error("--passes and --trace-seeds must be at least 1")
     seeds = [cfg["seed"] + i for i in range(args.trace_seeds)]
@@ -737,12 +754,14 @@ def main(argv: list[str] | None = None) -> int:
     (trace, dropped), plan, (backends, rows) = traces[0], plans[0], runs[0]
     result = {
         "benchmark": "server_recompute", "mode": mode,
-        "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/server_recompute.py" + " --quick" * args.quick
+        "command": ("python" if args.gpu else "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python") + " bench/server_recompute.py"
+                   + " --quick" * args.quick
                    + " --pause-via route" * (args.pause_via == "route")
                    + (f" --passes {args.passes}" if args.passes is not None else "")
                    + (f" --backends {','.join(names)}" if args.backends is not None else "")
-                   + (f" --trace-seeds {args.trace_seeds}" if args.trace_seeds > 1 else ""),
+                   + (f" --trace-seeds {args.trace_seeds}" if args.trace_seeds > 1 else "") + " --gpu" * args.gpu,
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "gpu": _gpu_name() if args.gpu else None,
                     "sglang": _version("sglang"), "torch": _version("torch")},
         "config": {"workload": "branch_heavy", **{k: v for k, v in cfg.items() if k != "trace"},
                    "host_tokens": host_tokens(cfg), "trace_params": cfg["trace"], "vocab_size": model.vocab_size,

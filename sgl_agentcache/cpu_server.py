@@ -36,6 +36,10 @@ CPU_FLAGS = (
     # (zmq poll, woken by any request), so nothing waits longer.
     "--sleep-on-idle",
 )
+#: The same server on a CUDA GPU (``CpuServer(gpu=True)``, ``bench/gpu/hicache_lifecycle.sh``): random
+#: weights, SGLang's default attention, sampling and CUDA graphs; the pool is still capped by
+#: ``--max-total-tokens``, so every compared backend gets the same one.
+GPU_FLAGS = ("--load-format", "dummy", "--mem-fraction-static", "0.6")
 
 
 def free_port() -> int:
@@ -167,6 +171,8 @@ class CpuServer:
     proc: subprocess.Popen | None = None
     #: The server's own TMPDIR (SGLang leaves its IPC socket files there); removed by :meth:`stop`.
     scratch_dir: str | None = field(default=None, repr=False)
+    #: On a CUDA GPU instead (GPU_FLAGS, no CPU engine): for ``bench/gpu/``; tests never set it.
+    gpu: bool = False
     #: Servers started and not yet stopped in this process (a failing test reports their logs).
     running: ClassVar[dict[int, "CpuServer"]] = {}
 
@@ -176,7 +182,7 @@ class CpuServer:
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-               "--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS,
+               "--host", "127.0.0.1", "--port", str(self.port), *(GPU_FLAGS if self.gpu else CPU_FLAGS),
                "--context-length", str(self.context_length), "--max-total-tokens", str(self.max_total_tokens),
                "--max-running-requests", "8", "--log-level", "info"]
         if self.backend:
@@ -193,7 +199,8 @@ class CpuServer:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.scratch_dir = tempfile.mkdtemp(prefix="sglang-")  # short: ZMQ socket paths must fit 107 bytes
         try:
-            self.proc = subprocess.Popen(self.command(), env=cpu_env() | {"TMPDIR": self.scratch_dir} | self.env,
+            base = dict(os.environ) if self.gpu else cpu_env()
+            self.proc = subprocess.Popen(self.command(), env=base | {"TMPDIR": self.scratch_dir} | self.env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             if log is not subprocess.DEVNULL:

@@ -130,6 +130,23 @@ def test_a_subset_of_unknown_backends_is_refused():
         bench.main(["--quick", "--backends", "stock,nope"])
 
 
+def test_the_gpu_mode_starts_sglang_with_gpu_flags_and_hicaches_kernel_io(tmp_path):
+    """``--gpu`` (bench/gpu/hicache_lifecycle.sh): no CPU engine flags, HiCache's kernel io backend and
+    ``page_first`` layout, the same pool and host ratio. Only the command is checked: no GPU here."""
+    from types import SimpleNamespace
+
+    bench = _load_bench()
+    cfg = bench.MODES["quick"] | {"gpu": True, "pause_via": "hint"}
+    model = SimpleNamespace(path=tmp_path / "model")
+    cmd = bench.start_server("agentcache-hicache-lpm", model, cfg, tmp_path).command()
+    assert "--device" not in cmd and "torch_native" not in cmd and "--load-format" in cmd
+    at = cmd.index("--hicache-io-backend")
+    assert cmd[at + 1] == "kernel" and cmd[cmd.index("--hicache-mem-layout") + 1] == "page_first"
+    assert cmd[cmd.index("--max-total-tokens") + 1] == str(cfg["pool_tokens"])
+    cpu = bench.start_server("agentcache-hicache-lpm", model, cfg | {"gpu": False}, tmp_path).command()
+    assert cpu[cpu.index("--device") + 1] == "cpu" and cpu[cpu.index("--hicache-io-backend") + 1] == "direct"
+
+
 @pytest.mark.server
 def test_independent_traces_give_an_interval_over_traces(tmp_path):
     """``--trace-seeds``: several generated traces on the same servers; ratios per trace, and an
