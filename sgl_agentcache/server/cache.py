@@ -271,7 +271,7 @@ class AgentRadixCache(UnifiedRadixCache):
         return (host_band(low_value=low, protected=advised == "offload"), 0.0, False, 0, base_priority)
 
     @property
-    def host_capacity_tokens(self) -> int:
+    def host_tier_tokens(self) -> int:
         """The host tier's size in tokens: HiCache's host pool when attached, else our own tier's."""
         if self.on_hicache:
             return int(self.cache_controller.mem_pool_host.size)

@@ -682,7 +682,7 @@ class _Run:
             tokens_per_s_link=p.d2h_bytes_per_s / p.kv_bytes_per_token,
             running_tokens=sum(r.input_tokens + r.output_tokens for _, r in self.live.values()),
             queue_s=statistics.fmean(self.lost_queue) if self.lost_queue else 0.0,
-            memoryfulness=self.memoryfulness, host_tokens=self.cache.host_capacity_tokens)
+            memoryfulness=self.memoryfulness, host_tokens=self.cache.host_tier_tokens)
         order = self.rule(view, self.future.after(request, now) if self.future is not None else None)
         self.result.pauses += 1
         if order.next_use_in_s is not None:
