@@ -54,7 +54,11 @@ def back_up_head(cache, node, tracker) -> bool:
     ``cache.host_room()`` reports, split it there, drop the tail and back up and demote the head.
     Returns whether it did (the eviction step is then complete: the walk goes on from the head)."""
     core = cache.tree_core
-    if not cache.is_write_back or node.backuped or not _subtree_unlocked(node):
+    if not cache.is_write_back or node.backuped:
+        return False
+    if len(node.key) <= cache.cache_controller.mem_pool_host.available_size():
+        return False  # fits in free slots: the common case, without walking the host leaves for the room
+    if not _subtree_unlocked(node):
         return False
     keep = head_len(len(node.key), cache.host_room()[1], cache.page_size)
     if keep <= 0:
