@@ -811,6 +811,13 @@ class OfflineDriver:
         """Whether SGLang's own HiCache is attached to the cache."""
         return getattr(self.cache, "cache_controller", None) is not None
 
+    def idle_poll(self) -> None:
+        """The scheduler's loop between batches: it acknowledges finished HiCache copies at the top of
+        every iteration, busy or idle. A copy issued outside a batch (a prefetch's ``load_back``) holds
+        its device slots locked until then; without this poll a replay whose queue waits on those slots
+        would wait for a batch that never comes."""
+        self._batch_done()
+
     def _batch_done(self) -> None:
         """After a batch result: pending backups go to the copy engine (``Scheduler.process_batch_result``)
         and, with HiCache, its finished backups and loads are acknowledged (``check_hicache_events``, which

@@ -757,6 +757,8 @@ class _Run:
 
             tokens = self.tokens.prompt(last) + self.tokens.output(last)
             self.cache.load_spilled(RadixKey(array("q", tokens), last.tenant), evict=evict)
+            if self.cache.on_hicache:
+                self.driver.idle_poll()  # the copy is acknowledged at the scheduler's next loop
 
     # ---- closes ----
 
