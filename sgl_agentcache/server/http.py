@@ -79,9 +79,9 @@ async def stats(request: Request) -> JSONResponse:
         await front.coordinator.settle(namespace=namespace)
         return await _forward("stats", {"namespace": namespace}, extra={
             "tenant": identity.tenant, "ceilings": msgspec.to_builtins(auth.ceilings_for(identity)),
-            "front.coordinator": front.coordinator.stats(namespace), "chat_inference": chat_hooks.stats(namespace)})
+            "coordinator": front.coordinator.stats(namespace), "chat_inference": chat_hooks.stats(namespace)})
     await front.coordinator.settle()
-    extra = {"backend": BACKEND_NAME, "version": __version__, "front.coordinator": front.coordinator.stats(),
+    extra = {"backend": BACKEND_NAME, "version": __version__, "coordinator": front.coordinator.stats(),
              "chat_inference": chat_hooks.stats(), "control_channel": front.channel.stats()}
     if auth.tenancy is not None:
         extra["trust"] = auth.trust.stats()
