@@ -323,7 +323,7 @@ class PauseBook:
         protected band, a prefetch or the branch's next request loads them back through HiCache, and
         what found no host room stays on the device for eviction to judge."""
         chain = self.copies.movable_suffix(branch)
-        entry = self._advise(branch, tool_class, PauseAction.OFFLOAD, decision)
+        entry = self._advise(branch, tool_class, PauseAction.OFFLOAD, decision, chain)
         moved = demote_chain(self.cache, chain)
         self.counters["hicache_offloaded_tokens"] += moved
         if moved < entry["tokens"]:
@@ -332,7 +332,7 @@ class PauseBook:
         return entry
 
     def _advise(self, branch: BranchKey, tool_class: str, action: PauseAction,
-                decision: PauseDecision | None) -> dict:
+                decision: PauseDecision | None, chain: list | None = None) -> dict:
         """Lazy mode: record the decision as advice, move nothing. The branch's KV stays where it is,
         ranked as before; what eviction later takes of it is spilled to host and kept there ahead of
         other host entries (OFFLOAD), spilled as usual (KEEP), or only into free host room, dropped
@@ -340,7 +340,8 @@ class PauseBook:
         when it is matched; a prefetch loads it back earlier. Nothing is pinned: measured on the replay
         suite, moving or pinning at the pause cost more recompute than it saved (module docstring)."""
         tip = self.copies.tip(branch)
-        tokens = sum(len(n.key) for n in self.copies.movable_suffix(branch))
+        chain = self.copies.movable_suffix(branch) if chain is None else chain  # the caller's, if it has it
+        tokens = sum(len(n.key) for n in chain)
         self.kept.pop(branch, None)
         record = PauseRecord(branch, tool_class, Placement.DEVICE, decision, tokens, advice=action,
                              path=self.copies.path_of(tip) if tip is not None else None)
