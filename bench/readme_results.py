@@ -23,11 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-SHOWN = ("stock", "session-radix", "hicache", "sglang-hicache", "infercept", "continuum", "kvflow", "agentcache",
-         "agentcache-on-hicache", "agentcache-inferred", "clairvoyant")
+SHOWN = ("stock", "session-radix", "sglang-hicache", "infercept", "continuum", "kvflow", "agentcache",
+         "agentcache-own-tier", "agentcache-inferred", "clairvoyant")
 OURS = "agentcache"
 INFERRED = "agentcache-inferred"  # ours too (no client hints): never anyone's "best other system"
-ON_HICACHE_POLICY = "agentcache-on-hicache"  # ours too (on SGLang's HiCache): never anyone's "best other system"
+OWN_TIER = "agentcache-own-tier"  # ours too (on our retiring host tier): never anyone's "best other system"
+#: SGLang's own HiCache (write-back), the write-back reference of every comparison.
 SGLANG_HICACHE = "sglang-hicache"
 
 
@@ -75,7 +76,7 @@ def _grid(body: dict, pressure: str, host: float) -> list[str]:
 def _verdicts(body: dict, pressure: str, host: float) -> list[str]:
     """Ours against the best other non-clairvoyant system of each workload, pass by pass."""
     cmp = [c for c in body["comparisons"] if c["pressure"] == pressure and c["host_ratio"] == host
-           and c["other"] not in ("clairvoyant", INFERRED, ON_HICACHE_POLICY)]
+           and c["other"] not in ("clairvoyant", INFERRED, OWN_TIER)]
     summary = {(s["workload"], s["policy"]): s["recompute_vs_stock"] for s in body["summary"]
                if s["pressure"] == pressure and s["host_ratio"] in (host, 0.0)}
     out = []
@@ -96,37 +97,29 @@ def _sweep(body: dict) -> list[str]:
     pressure = cfg["sweep_pressure"]
     hosts = sorted({c["host_ratio"] for c in body["comparisons"] if c["pressure"] == pressure and c["host_ratio"] > 0})
     cells = {(c["workload"], c["host_ratio"]): c for c in body["comparisons"]
-             if c["pressure"] == pressure and c["other"] == "hicache"}
-    return _verdict_table(f"**ours / hicache, {pressure} pool**", [f"host {h:g}x" for h in hosts],
+             if c["pressure"] == pressure and c["other"] == SGLANG_HICACHE}
+    return _verdict_table(f"**ours / {SGLANG_HICACHE}, {pressure} pool**", [f"host {h:g}x" for h in hosts],
                           cfg["workloads"], lambda w, i: cells.get((w, hosts[i])))
 
 
-def _on_hicache(body: dict) -> list[str]:
-    """Ours on SGLang's own HiCache against ours on our own host tier and against SGLang's HiCache, and
-    the write-back emulation against SGLang's own, seed by seed at every host level of the sweep pressure
-    and at host 1x of the other pressures (issue #36 item 3: our own host tier goes only once the HiCache
-    path matches or beats it)."""
+def _own_tier(body: dict) -> list[str]:
+    """Ours on SGLang's HiCache against ours on the host tier the package carried before, seed by seed at
+    every host level of the sweep pressure and at host 1x of the other pressures (issue #36 item 3: that
+    tier goes once the HiCache path matches or beats it)."""
     cfg = body["config"]
     sweep = cfg["sweep_pressure"]
-    on = body.get("comparisons_on_hicache", ())
-    columns = sorted({(sweep, c["host_ratio"]) for c in on if c["pressure"] == sweep and c["host_ratio"] > 0},
+    mine = [c for c in body["comparisons"] if c["other"] == OWN_TIER]
+    columns = sorted({(sweep, c["host_ratio"]) for c in mine if c["pressure"] == sweep and c["host_ratio"] > 0},
                      key=lambda col: col[1])
-    columns += sorted({(c["pressure"], 1.0) for c in on if c["pressure"] != sweep and c["host_ratio"] == 1.0})
+    columns += sorted({(c["pressure"], 1.0) for c in mine if c["pressure"] != sweep and c["host_ratio"] == 1.0})
     if not columns:
         return []
-    out = ["Ours on SGLang's own HiCache (`agentcache-on-hicache`: HiCache's host pool and transfers, driven "
-           "offline through SGLang's code, our lifecycle deciding what it holds and deletes) and SGLang's "
-           "HiCache itself (`sglang-hicache`, write-back), each at the same device pool and host bytes as "
-           "the systems on our own host tier; recomputed tokens, seed by seed:", ""]
-    keyed = lambda comparisons, other: {(c["workload"], c["pressure"], c["host_ratio"]): c  # noqa: E731
-                                        for c in comparisons if c["other"] == other}
-    for title, cells in (("ours on HiCache / ours on our host tier", keyed(on, OURS)),
-                         ("ours on HiCache / SGLang's HiCache", keyed(on, SGLANG_HICACHE)),
-                         ("write-back emulation (`hicache`) / SGLang's HiCache",
-                          keyed(body.get("comparisons_hicache_emulation", ()), SGLANG_HICACHE))):
-        out += _verdict_table(f"**{title}**", [f"{p} pool, host {h:g}x" for p, h in columns], cfg["workloads"],
-                              lambda w, i, cells=cells: cells.get((w, *columns[i])))
-    return out
+    cells = {(c["workload"], c["pressure"], c["host_ratio"]): c for c in mine}
+    return (["Ours (on SGLang's HiCache) against ours on the host tier being retired (`agentcache-own-tier`: "
+             "our own host store, exclusive, its own transfer threads), same device pool and host bytes; "
+             "recomputed tokens, seed by seed:", ""]
+            + _verdict_table("**ours / ours on our own host tier**", [f"{p} pool, host {h:g}x" for p, h in columns],
+                             cfg["workloads"], lambda w, i: cells.get((w, *columns[i]))))
 
 
 def _replay(body: dict) -> list[str]:
@@ -147,7 +140,7 @@ def _replay(body: dict) -> list[str]:
         out += [f"Ours against the best other system (not clairvoyant) per workload, {cfg['sweep_pressure']} pool, "
                 "host tier 1x, seed by seed: " + "; ".join(verdicts) + ".", ""]
     out += _sweep(body)
-    out += _on_hicache(body)
+    out += _own_tier(body)
     out += _latency(body)
     out += _inferred(body)
     out += _decisions(body, cfg["sweep_pressure"], 1.0)
@@ -166,16 +159,17 @@ def _latency(body: dict) -> list[str]:
     cfg = body["config"]
     pressure = cfg["sweep_pressure"]
     cells = {(c["metric"], c["workload"]): c for c in body.get("latency_comparisons", ())
-             if c["pressure"] == pressure and c["host_ratio"] == 1.0 and c["other"] == "hicache"}
+             if c["pressure"] == pressure and c["host_ratio"] == 1.0 and c["other"] == SGLANG_HICACHE}
     if not cells:
         return []
     refused = {(s["workload"], s["policy"]): s["admission_refusals"] for s in body["summary"]
-               if s["pressure"] == pressure and s["host_ratio"] == 1.0 and s["policy"] in (OURS, "hicache")}
-    out = _verdict_table(f"**ours / hicache, latency, {pressure} pool, host 1x** (modelled times)",
+               if s["pressure"] == pressure and s["host_ratio"] == 1.0 and s["policy"] in (OURS, SGLANG_HICACHE)}
+    out = _verdict_table(f"**ours / {SGLANG_HICACHE}, latency, {pressure} pool, host 1x** (modelled times)",
                          [label for _, label in _LATENCY_COLUMNS], cfg["workloads"],
                          lambda w, i: cells.get((_LATENCY_COLUMNS[i][0], w)))
-    counts = "; ".join(f"{w} {refused.get((w, OURS), 0)} / {refused.get((w, 'hicache'), 0)}" for w in cfg["workloads"])
-    return out + [f"Admission attempts refused for room, all seeds (ours / hicache): {counts}.", ""]
+    counts = "; ".join(f"{w} {refused.get((w, OURS), 0)} / {refused.get((w, SGLANG_HICACHE), 0)}"
+                       for w in cfg["workloads"])
+    return out + [f"Admission attempts refused for room, all seeds (ours / {SGLANG_HICACHE}): {counts}.", ""]
 
 
 def _inferred(body: dict) -> list[str]:
@@ -188,7 +182,7 @@ def _inferred(body: dict) -> list[str]:
              and (c["host_ratio"] == 1.0 or c["other"] == "stock")}
     if not cells:
         return []
-    others = (OURS, "hicache", "stock")
+    others = (OURS, SGLANG_HICACHE, "stock")
     return _verdict_table(f"**ours, inferred (no client hints) / other, {pressure} pool, host 1x**",
                           [f"/ {o}" for o in others], cfg["workloads"], lambda w, i: cells.get((others[i], w)))
 
@@ -227,13 +221,9 @@ def _sessions(body: dict) -> list[str]:
            "every system of a row has the same device pool and host bytes): the mean of per-session ratios "
            "with a 95% t interval over sessions; a verdict needs that interval and a bootstrap over whole "
            "groups to exclude 1. Resume TTFT counts from the call's trace arrival (modelled times).", ""]
-    for title, comparisons, others in (("ours", body["comparisons"], ("hicache", SGLANG_HICACHE, "kvflow", "stock")),
+    for title, comparisons, others in (("ours", body["comparisons"], (SGLANG_HICACHE, "kvflow", OWN_TIER, "stock")),
                                        ("ours, inferred (no client hints)", body.get("comparisons_inferred", ()),
-                                        ("hicache", "agentcache")),
-                                       ("ours on SGLang's HiCache", body.get("comparisons_on_hicache", ()),
-                                        ("agentcache", SGLANG_HICACHE, "hicache")),
-                                       ("write-back emulation (`hicache`)",
-                                        body.get("comparisons_hicache_emulation", ()), (SGLANG_HICACHE,))):
+                                        (SGLANG_HICACHE, OURS))):
         if not comparisons:
             continue
         cells = {(c["other"], c["host_ratio"], c["metric"]): c for c in comparisons}
@@ -252,7 +242,7 @@ def _sessions(body: dict) -> list[str]:
     return out + _session_spread(body)
 
 
-def _session_spread(body: dict, policy: str = "agentcache", other: str = "hicache") -> list[str]:
+def _session_spread(body: dict, policy: str = OURS, other: str = SGLANG_HICACHE) -> list[str]:
     """Per session, ours / write-back recomputed tokens at each host size: the spread behind the mean
     (the six best and six worst sessions)."""
     rows = {(r["session"], r["policy"], r["host_ratio"]): r["recomputed_tokens"] for r in body["rows"]}
@@ -661,7 +651,7 @@ def _summary(body: dict) -> list[str]:
     pressure = cfg["sweep_pressure"]
     cells = {(s["policy"], s["workload"], s["host_ratio"]): s for s in body["summary"] if s["pressure"] == pressure}
     cmps = {(c["other"], c["workload"], c["host_ratio"]): c for c in body["comparisons"] if c["pressure"] == pressure}
-    others = [p for p in SHOWN if p not in ("stock", OURS, INFERRED, ON_HICACHE_POLICY, "clairvoyant")]
+    others = [p for p in SHOWN if p not in ("stock", OURS, INFERRED, OWN_TIER, "clairvoyant")]
     out = [f"Recomputed prefill tokens as a ratio to stock SGLang (no host tier) in the same run, lower is better: "
            f"{pressure} device pool, a host tier of 1x the pool for every system that has one, mean ± 95% CI "
            f"half-width over {len(cfg['seeds'])} seeds ({len(cfg['real_seeds'])} for the real traces). "
@@ -672,7 +662,7 @@ def _summary(body: dict) -> list[str]:
            "with room for everything no call queues, so calls a tight pool holds back until a sibling has "
            "computed their shared prompt start at once and miss it (on `stable_prompts` write-back and ours "
            "go under it).", "",
-           "workload | hicache | best other | ours | ours vs best | ours, no host tier (vs stock) | "
+           f"workload | {SGLANG_HICACHE} | best other | ours | ours vs best | ours, no host tier (vs stock) | "
            "ours, no client hints | LP floor | stock, infinite pool",
            "---|---:|---|---:|---|---|---:|---:|---:"]
 
@@ -684,7 +674,7 @@ def _summary(body: dict) -> list[str]:
                   if (p, w, h) in cells and (h == 1.0 or p == "session-radix")]
         best = min(rivals) if rivals else None
         out.append(" | ".join([
-            w, _cell(cells.get(("hicache", w, 1.0))),
+            w, _cell(cells.get((SGLANG_HICACHE, w, 1.0))),
             "-" if best is None else f"{best[1]} {_cell(cells[(best[1], w, best[2])])}", _cell(ours),
             "-" if best is None else _verdict(cmps.get((best[1], w, 1.0))),
             _verdict(cmps.get(("stock", w, 0.0))), _cell(cells.get((INFERRED, w, 1.0))),
@@ -696,34 +686,31 @@ def _summary(body: dict) -> list[str]:
 def _sessions_summary(body: dict) -> list[str]:
     """One line per host size: ours / write-back on real sessions, per-session paired."""
     n = len({r["session"] for r in body["rows"]})
-    cells = {(c["host_ratio"], c["metric"]): c for c in body["comparisons"] if c["other"] == "hicache"}
+    cells = {(c["host_ratio"], c["metric"]): c for c in body["comparisons"] if c["other"] == SGLANG_HICACHE}
     parts = []
     for host in sorted({h for h, _ in cells}):
         got = [f"{label} {_session_cell(cells.get((host, m)))}" for m, label in _SESSION_COLUMNS
                if m in ("recomputed_tokens", "resume_ttft_p50_s", "resume_ttft_p99_s", "jct_s")]
         parts.append(f"host {host:g}x: " + "; ".join(got))
     out = [f"Real Claude Code sessions ({n} independent sessions, per-session paired, 95% CI over sessions), "
-           "ours / write-back (`hicache`, same pool and host bytes): " + " | ".join(parts) + ".", ""]
+           f"ours / SGLang's HiCache write-back (`{SGLANG_HICACHE}`, same pool and host bytes): "
+           + " | ".join(parts) + ".", ""]
     inferred = {(c["other"], c["host_ratio"], c["metric"]): c for c in body.get("comparisons_inferred", ())}
     parts = []
     for host in sorted({h for _, h, _ in inferred}):
         got = [f"/ {label} {_session_cell(inferred.get((other, host, 'recomputed_tokens')))}, resume p99 "
                f"{_session_cell(inferred.get((other, host, 'resume_ttft_p99_s')))}"
-               for other, label in (("hicache", "write-back"), ("agentcache", "explicit hints"))]
+               for other, label in ((SGLANG_HICACHE, "SGLang's HiCache"), (OURS, "explicit hints"))]
         parts.append(f"host {host:g}x: " + "; ".join(got))
     if parts:
         out += ["Zero-config (`AGENTCACHE_INFER=chat`, no client hints) on the same sessions, recomputed tokens: "
                 + " | ".join(parts) + ".", ""]
-    on = {(c["other"], c["host_ratio"], c["metric"]): c for c in body.get("comparisons_on_hicache", ())}
-    parts = []
-    for host in sorted({h for _, h, _ in on}):
-        got = [f"/ {label} {_session_cell(on.get((other, host, 'recomputed_tokens')))}, resume p99 "
-               f"{_session_cell(on.get((other, host, 'resume_ttft_p99_s')))}"
-               for other, label in (("agentcache", "ours on our own host tier"), (SGLANG_HICACHE, "SGLang's HiCache"))]
-        parts.append(f"host {host:g}x: " + "; ".join(got))
+    own = {(c["host_ratio"], c["metric"]): c for c in body["comparisons"] if c["other"] == OWN_TIER}
+    parts = [f"host {host:g}x: recompute {_session_cell(own.get((host, 'recomputed_tokens')))}, resume p99 "
+             f"{_session_cell(own.get((host, 'resume_ttft_p99_s')))}" for host in sorted({h for h, _ in own})]
     if parts:
-        out += ["Ours on SGLang's own HiCache (its host pool, driven offline through SGLang's code) on the same "
-                "sessions, recomputed tokens: " + " | ".join(parts) + ".", ""]
+        out += ["Ours / ours on the host tier being retired (`agentcache-own-tier`) on the same sessions: "
+                + " | ".join(parts) + ".", ""]
     return out
 
 
@@ -736,7 +723,8 @@ def _server_summary(body: dict) -> list[str]:
                      f"JCT {_passwise(jct)} ({jct['verdict']})")
     return [f"Real CPU server (`{cfg['workload']}` trace, {cfg['pool_tokens']}-token pool, host tier "
             f"{cfg['host_tokens']} tokens for every backend that has one, {cfg['passes']} interleaved passes; "
-            "`-lpm`: SGLang's `--schedule-policy lpm`, else `fcfs`): " + "; ".join(parts) + ".", ""]
+            "`-lpm`: SGLang's `--schedule-policy lpm`, else `fcfs`; on the server `agentcache` and `agentcache-lpm` "
+            "run our own host tier, `agentcache-hicache-lpm` runs on SGLang's HiCache): " + "; ".join(parts) + ".", ""]
 
 
 def _render(sections: tuple, tail: tuple = ()) -> str:

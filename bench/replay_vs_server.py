@@ -4,7 +4,8 @@ Contract. One seeded ``branch_heavy`` trace (server_recompute's generator and pl
 own clock (``time_scale`` 1: arrivals, tool durations and think times as the trace gives them) against
 one real SGLang 0.5.23 CPU server with our backend (hints, host tier 1x the pool, ``fcfs``), with
 enough clients that none waits at the client: every call is queued by the server. The same trace then
-runs through the replayer (``sgl_agentcache.sim.replay``, policy ``agentcache``) with the same pool,
+runs through the replayer (``sgl_agentcache.sim.replay``, policy ``agentcache-own-tier``: the server runs
+our own host tier here) with the same pool,
 host tier and running-request limit, priced by a profile **measured on that server** first:
 
 - prefill rate: the slope of time to first token over prompt length (fresh random prompts of 128 to
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         hicache_rep = run_hicache_server(model, trace, plan, cfg, log_dir)
     sims = {policy: replay(trace, policy, pool_tokens=cfg["pool_tokens"], host_tokens=single.host_tokens(cfg),
                            profile=profile, vocab_size=model.vocab_size, max_live=MAX_RUNNING, timeline=False)
-            for policy in ("agentcache", "hicache")}
+            for policy in ("agentcache-own-tier", "hicache")}
     result = {
         "benchmark": "replay_vs_server", "mode": mode,
         "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/replay_vs_server.py" + " --quick" * args.quick,
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                    "sessions_dropped_for_context": dropped, "max_running_requests": MAX_RUNNING},
         "profile": profile.to_dict(), "measured": measured,
         "server_failures": sum(row["status"] != 200 for row in rep.rows.values()),
-        **compare(trace, rep, sims["agentcache"], max(measured["per_call_overhead_s"], 0.0)),
+        **compare(trace, rep, sims["agentcache-own-tier"], max(measured["per_call_overhead_s"], 0.0)),
         "hicache_emulation": hicache_check(trace, hicache_rep, sims["hicache"]),
     }
     (out / "replay_vs_server.json").write_text(single.dump_json(result))

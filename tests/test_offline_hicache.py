@@ -1,7 +1,7 @@
 """SGLang's own HiCache driven offline: its host pool, cache controller and ``direct`` io on CPU (the CPU
 shims), attached by SGLang's registry as ``--enable-hierarchical-cache`` does, under stock SGLang's
 ``UnifiedRadixCache`` and under ours; and the replayer running both (``sglang-hicache``,
-``agentcache-on-hicache``) beside our own host tier at the same host bytes.
+``agentcache``, ours on it) beside our own host tier (``agentcache-own-tier``) at the same host bytes.
 
 Nothing is mocked: the copies are real (tiny) tensor copies through SGLang's transfer code. Token ids
 stay below 512.
@@ -107,7 +107,7 @@ def test_write_through_backs_up_at_insert_and_loads_back_after_eviction(kind):
 def branch_heavy_runs():
     trace = generate("branch_heavy", seed=2, scale=0.1)
     pool = pool_for(trace, "tight")
-    names = ("stock", "hicache", "sglang-hicache", "agentcache", "agentcache-on-hicache")
+    names = ("stock", "hicache", "sglang-hicache", "agentcache-own-tier", "agentcache")
     return trace, pool, {name: replay(trace, name, pool_tokens=pool, host_tokens=pool, profile=PROFILES["seed"],
                                       vocab_size=2**31 - 1) for name in names}
 
@@ -115,14 +115,14 @@ def branch_heavy_runs():
 def test_the_replay_runs_sglangs_hicache_and_ours_on_it_at_the_same_host_bytes(branch_heavy_runs):
     trace, pool, runs = branch_heavy_runs
     stock = runs["stock"]
-    for name in ("sglang-hicache", "agentcache-on-hicache"):
+    for name in ("sglang-hicache", "agentcache"):
         r = runs[name]
         assert r.requests == len(trace.requests) and r.integrity_ok, name
         assert (r.pool_tokens, r.host_tokens) == (pool, pool), name  # same device pool and host bytes
         assert r.restored_tokens > 0, name  # host hits loaded back through HiCache
         assert r.recomputed_tokens < stock.recomputed_tokens, name
-    assert runs["agentcache-on-hicache"].leaked_tokens == 0  # closes delete on every tier
-    assert runs["agentcache-on-hicache"].reclaimed_tokens > 0
+    assert runs["agentcache"].leaked_tokens == 0  # closes delete on every tier
+    assert runs["agentcache"].reclaimed_tokens > 0
     # SGLang's own write-back and the emulation our tier runs agree closely on this trace.
     emulated, real = runs["hicache"].recomputed_tokens, runs["sglang-hicache"].recomputed_tokens
     assert abs(emulated - real) <= 0.1 * real
@@ -130,9 +130,10 @@ def test_the_replay_runs_sglangs_hicache_and_ours_on_it_at_the_same_host_bytes(b
 
 def test_pauses_price_hicache_write_back_duplicates_as_host_room():
     """Under write-back a node loaded back keeps its host copy, which HiCache's host eviction releases
-    first when it needs room: pause decisions must count it as room (they read a pool full of such
-    copies as full, and turned offloads into keeps and discards: short_tools, host 1x, 1.09x of the
-    recompute on our own host tier)."""
+    first when it needs room, at no loss (the device holds it): pause decisions must count it as free
+    room (they read a pool full of such copies as full, and turned offloads into keeps and discards:
+    short_tools, host 1x, 1.09x of the recompute on our own host tier), and an offload into it as
+    displacing nothing."""
     driver = _driver("agentcache")
     a, b, c = _prompts(3, seed=4)
     for rid, prompt in (("a", a), ("b", b), ("c", c)):
@@ -149,7 +150,30 @@ def test_pauses_price_hicache_write_back_duplicates_as_host_room():
     assert duplicates >= PROMPT
     free, room = cache.host_room()
     host_only = sum(len(n.component_data[0].host_value) for n in core.evictable_host_leaves)
-    assert free == _host_free(driver) and room == free + host_only + duplicates
+    assert free == _host_free(driver) + duplicates and room == free + host_only
+
+
+def test_hicache_host_reuse_rate_is_learned_from_its_load_backs_and_host_evictions():
+    """The pause policy prices host room with the share of host tokens used again. On HiCache that is
+    counted on HiCache's own moves (every load-back, every host eviction of a live branch's node), not
+    read from our retired tier's counters (which stay at the prior there)."""
+    from sgl_agentcache.policy.retention import HOST_REUSE_PRIOR, learned_rate
+
+    driver = _driver("agentcache", host_tokens=64)
+    cache, core = driver.cache, driver.cache.tree_core
+    assert cache.host_reuse_rate() == pytest.approx(HOST_REUSE_PRIOR)
+    prompts = _prompts(4, seed=9)
+    for rid, prompt in zip("abc", prompts):
+        _serve(driver, rid, prompt)
+    _serve(driver, "a2", prompts[0] + [9])  # loaded back from host
+    assert core.host_loaded_tokens == PROMPT
+    _serve(driver, "d", prompts[3])
+    _serve(driver, "b2", prompts[1] + [9])
+    assert core.host_lost_tokens > 0  # a 64-slot host pool cannot keep every 50-token prompt
+    assert cache.host_reuse_rate() == pytest.approx(learned_rate(core.host_loaded_tokens, core.host_lost_tokens))
+    assert cache.host_reuse_rate() != pytest.approx(cache.spill.reuse_rate())
+    report = driver.check()
+    assert report.ok, report.errors
 
 
 @pytest.mark.parametrize("kind", ["stock", "agentcache"])
@@ -230,3 +254,38 @@ def test_an_applied_offload_demotes_the_branch_into_hicache_and_its_next_call_lo
     driver.finish(second)
     report = driver.check()
     assert report.ok, report.errors
+
+
+def test_a_kept_branch_forced_to_host_ranks_with_the_offloaded_ones_in_hicaches_host_eviction():
+    """HiCache's host eviction ranks host-only nodes by their branch's pause advice: DISCARD first, then
+    branches without advice, then OFFLOAD -- and KEEP beside OFFLOAD: the policy judged a kept branch
+    worth device memory, so when pressure still pushes it to host it must not go before a branch judged
+    worth only host memory (it did: short_tools seed 2, a kept 2,600-token lead lost on host to offloaded
+    branches, 1.13x KVFlow's recompute)."""
+    from sgl_agentcache.hints import lifecycle_envelope
+    from sgl_agentcache.lifecycle import BranchKey, namespace_key
+    from sgl_agentcache.policy.pause import PauseAction
+    from sgl_agentcache.policy.retention import Band
+    from sgl_agentcache.server.hicache_moves import demote_chain
+
+    cache = build_offline_cache(pool_tokens=1024, hicache=OfflineHiCache(1024))
+    driver = OfflineDriver(cache)
+    rng = random.Random(11)
+    bands = {}
+    for name, advice in (("kept", PauseAction.KEEP), ("offloaded", PauseAction.OFFLOAD),
+                         ("discarded", PauseAction.DISCARD), ("plain", None)):
+        hint = {"session": name, "branch": "main"}
+        req = driver.admit(name, [rng.randrange(3, 400) for _ in range(100)],
+                           kv_hints=lifecycle_envelope(hint, message_id=name))
+        driver.extend(req, [7])
+        driver.finish(req)
+        branch = BranchKey(namespace_key(None, None), name, "main")
+        if advice is not None:
+            cache.spill.advise(branch, advice)
+        with driver.activated():
+            assert demote_chain(cache, cache.copies.movable_suffix(branch)) > 0
+        nodes = [n for n in cache.tree_core.owner_index[branch] if n.evicted]
+        bands[name] = {cache._hicache_host_key(n, 0.0)[0] for n in nodes}
+    assert bands == {"kept": {Band.PROTECTED}, "offloaded": {Band.PROTECTED}, "discarded": {Band.TRIM},
+                     "plain": {Band.VALUED}}
+    assert driver.check().ok

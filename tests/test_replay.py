@@ -84,7 +84,7 @@ def test_suite_cells_give_every_compared_system_equal_memory():
     # Latency beside tokens: ours against stock and write-back on each latency, seed by seed.
     metrics = {(c["metric"], c["other"]) for c in report["latency_comparisons"] if c["host_ratio"] == 1.0}
     assert metrics >= {(m, o) for m in ("resume_p99_s", "resume_own_wait_p99_s", "session_jct_mean_s")
-                       for o in ("stock", "hicache")}
+                       for o in ("stock", "sglang-hicache")}
 
 
 def _scrambled_durations(trace: Trace, seed: int) -> Trace:
@@ -325,7 +325,7 @@ def test_jain_index():
 
 
 def test_suite_writes_json_and_plots(tmp_path):
-    config = SuiteConfig(workloads=("short_tools",), policies=("stock", "hicache", "agentcache"), seeds=(1, 2),
+    config = SuiteConfig(workloads=("short_tools",), policies=("stock", "sglang-hicache", "agentcache"), seeds=(1, 2),
                          pressures=("tight",), sweep_hosts=(0.5,), scale=0.05, workers=1)
     report = run_suite(config, SEED)
     files = write_report(report, tmp_path, "test")
@@ -336,7 +336,7 @@ def test_suite_writes_json_and_plots(tmp_path):
     body = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["policy"], r["host_ratio"]): r for r in body["summary"]}
     assert rows[("stock", 0.0)]["recompute_vs_stock"] == 1.0
-    assert {("agentcache", 0.5), ("hicache", 0.5), ("agentcache", 0.0), ("hicache", 1.0)} <= set(rows)
+    assert {("agentcache", 0.5), ("sglang-hicache", 0.5), ("agentcache", 0.0), ("sglang-hicache", 1.0)} <= set(rows)
     assert all(r["integrity_ok"] and r["lower_bound_vs_stock"] <= r["recompute_vs_stock"] + 1e-9 for r in rows.values())
     assert all(len(r["recompute_ci95"]) == 2 for r in rows.values())
     assert body["comparisons"] and all(c["verdict"] in ("better", "worse", "tie") for c in body["comparisons"])

@@ -350,9 +350,33 @@ class OfflineDriver:
         self.context = context_of(cache)
         self.live: dict[str, OfflineReq] = {}
         self.hicache_loaded_tokens = 0  # what admissions loaded back from HiCache's host pool
+        # Every copy HiCache's cache controller starts, in tokens (the replay's bytes moved, for ours and
+        # for SGLang's own cache alike): device->host backups and host->device loads.
+        self.hicache_moved = {"d2h_tokens": 0, "h2d_tokens": 0}
+        if getattr(cache, "cache_controller", None) is not None:
+            self._count_hicache_copies(cache.cache_controller)
         copies = getattr(cache, "copies", None)  # the stock cache has none
         if copies is not None:  # a step here stands for as long as any offload's copy takes (deterministic)
             copies.step_waits = True
+
+    def _count_hicache_copies(self, controller) -> None:
+        """Wrap this cache controller's ``write`` (a backup: device indices in) and ``load`` (host indices
+        in) to count the tokens of every copy it accepts (a None result: refused for room, nothing moves)."""
+        moved, write, load = self.hicache_moved, controller.write, controller.load
+
+        def counted_write(device_indices, *args, **kwargs):
+            host_indices = write(device_indices, *args, **kwargs)
+            if host_indices is not None:
+                moved["d2h_tokens"] += len(device_indices)
+            return host_indices
+
+        def counted_load(host_indices, *args, **kwargs):
+            device_indices = load(host_indices, *args, **kwargs)
+            if device_indices is not None:
+                moved["h2d_tokens"] += len(host_indices)
+            return device_indices
+
+        controller.write, controller.load = counted_write, counted_load
 
     # ---- views ----
 

@@ -229,7 +229,7 @@ class PauseBook:
         h2d, d2h, _ = self._bandwidths(measured)
         # What host memory costs this pause: the value of the host entries an offload would displace.
         retention = dataclasses.replace(self.cache.retention, h2d_bytes_per_s=h2d,
-                                        host_reuse=self.cache.spill.reuse_rate())
+                                        host_reuse=self.cache.host_reuse_rate())
         free_host, host_room = self.cache.host_room()
         displaced = displaced_host_seconds(retention, tokens, free_host) if placement is Placement.DEVICE else 0.0
         return PauseInputs(

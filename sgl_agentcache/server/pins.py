@@ -70,14 +70,16 @@ PINS: tuple[Pin, ...] = (
     Pin(f"{_CACHE}.init_hicache", ("self", "server_args", "params"),
         "our own host tier retires when SGLang attaches HiCache to the cache"),
     Pin(f"{_TREE}._evict_host_leaf", ("self", "node", "tracker", "device_frees", "host_frees", "cache_actions"),
-        "a closed branch's host-only node is deleted from HiCache's host pool"),
+        "a closed branch's host-only node is deleted from HiCache's host pool; host eviction's losses are "
+        "counted for the learned host reuse rate"),
     Pin(f"{_TREE}._delete_unbacked_device_leaf",
         ("self", "node", "tracker", "device_frees", "host_frees", "cache_actions"),
         "a closed branch's node is deleted on the device and in the host pool at once (never demoted)"),
     Pin(f"{_TREE}._can_reclaim_full_host_duplicate", ("self", "node"),
         "a pause prices HiCache's host room with the write-back duplicates its host eviction releases first"),
     Pin(f"{_CACHE}.load_back", ("self", "node_id", "mem_quota", "req"),
-        "a prefetch loads a paused branch back through HiCache's own load path"),
+        "a prefetch loads a paused branch back through HiCache's own load path; every load-back is counted "
+        "for the learned host reuse rate"),
     Pin(f"{_CACHE}.ready_to_load_host_cache", ("self",), "a prefetch's copy starts at once"),
     Pin(f"{_CACHE}.write_backup_storage", ("self", "node_id"),
         "a salted node's L3 pages go into its salt's purge manifest as HiCache writes them"),

@@ -70,6 +70,11 @@ class AgentTreeCore(UnifiedTreeCore):
         # host from being backed up at insert (the cache sets it when HiCache attaches).
         self.backup_veto = None
         self.vetoed_backup_tokens = 0
+        # HiCache's host pool, as the retention policy learns its reuse rate: tokens loaded back to the
+        # device, and tokens of live branches its host eviction dropped (a closed branch's are freed,
+        # not lost). Tree facts, the same on every rank.
+        self.host_loaded_tokens = 0
+        self.host_lost_tokens = 0
         super().__init__(params, components)
         # Read by every insert (_skip_locked_prefix); pins.py checks methods, not attributes, so a
         # rename in a later SGLang must stop the server here rather than at its first request.
@@ -86,6 +91,12 @@ class AgentTreeCore(UnifiedTreeCore):
         self.reclaim_due = False
         self.fresh = set()
         super().reset()
+
+    def _evict_host_leaf(self, node, tracker, device_frees, host_frees, cache_actions) -> None:
+        if not node.agent.terminated:
+            host_value = node.component_data[FULL].host_value
+            self.host_lost_tokens += len(host_value) if host_value is not None else 0
+        super()._evict_host_leaf(node, tracker, device_frees, host_frees, cache_actions)
 
     def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
         node = _STOCK_NEW_NODE(self, priority=priority)

@@ -7,12 +7,12 @@ policy. Every system (:data:`SYSTEMS`) is a cache policy of ``sim/policies.py`` 
 strategy of ``policy/admission_order.py``:
 
 - ``stock``: SGLang's LRU, no host tier, FCFS;
-- ``hicache-fcfs``, ``hicache-lpm``: LRU write-back, FCFS / longest-prefix-first (SGLang's two
-  orders; ``hicache-lpm`` is the baseline the targets name);
-- ``continuum``: Continuum's TTL pin over write-back with its program-level FCFS (both halves of the
-  paper's mechanism);
+- ``hicache-fcfs``, ``hicache-lpm``: SGLang's own HiCache write-back (``sglang-hicache``), FCFS /
+  longest-prefix-first (SGLang's two orders; ``hicache-lpm`` is the baseline the targets name);
+- ``continuum``: Continuum's TTL pin over HiCache write-back with its program-level FCFS (both halves of
+  the paper's mechanism);
 - ``autellix-plas``, ``autellix-atlas``: Autellix's program-level least-attained-service orders over
-  write-back (its scheduler; it has no cache policy of its own);
+  HiCache write-back (its scheduler; it has no cache policy of its own);
 - ``agentcache-fcfs``, ``agentcache-lpm``: ours under SGLang's two orders (what our admission order
   adds is ``agentcache`` against them);
 - ``agentcache-agent-lpm``: ours with our admission classes, ``lpm``'s order within each;
@@ -49,11 +49,11 @@ class System(NamedTuple):
 
 
 SYSTEMS = {"stock": System("stock", "fcfs"),
-           "hicache-fcfs": System("hicache", "fcfs"),
-           "hicache-lpm": System("hicache", "lpm"),
+           "hicache-fcfs": System("sglang-hicache", "fcfs"),
+           "hicache-lpm": System("sglang-hicache", "lpm"),
            "continuum": System("continuum", "program-fcfs"),
-           "autellix-plas": System("hicache", "plas"),
-           "autellix-atlas": System("hicache", "atlas"),
+           "autellix-plas": System("sglang-hicache", "plas"),
+           "autellix-atlas": System("sglang-hicache", "atlas"),
            "agentcache-fcfs": System("agentcache", "fcfs"),
            "agentcache-lpm": System("agentcache", "lpm"),
            "agentcache-agent-lpm": System("agentcache", "agent-lpm"),

@@ -19,7 +19,8 @@ ratio), our ``AgentRadixCache`` for the rest. They differ in
 Mechanisms (``docs/anchors.md``; formulas checked against the papers and their public code):
 
 - B1 ``hicache``: SGLang HiCache's write-back on the same host budget, LRU on both tiers, as our own host
-  tier emulates it (exclusive: an entry leaves host when it loads back).
+  tier emulates it (exclusive: an entry leaves host when it loads back). Out of the default suites since
+  SGLang's own HiCache runs offline (``sglang-hicache``); kept for the replay-against-server check.
 - B1* ``sglang-hicache`` / ``sglang-hicache-wt``: SGLang's own HiCache, its code (``UnifiedRadixCache`` with
   ``init_hicache``: host pool, cache controller, ``direct`` io) driven offline (``server/offline.py``), the
   host pool sized to the same host budget; write-back and write-through.
@@ -48,12 +49,16 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
   KVFlow itself is built on SGLang's HiCache), with prefetch through HiCache's load path of the agents
   whose next step is within ``load_ahead_step`` (2).
 - B5 ``session-radix``: SGLang's ``--enable-session-radix-cache`` soft protection (reference, no host).
-- ours: lifecycle rank, quotas and closes, our pause policy (learned latency distributions), the node
-  spill, and a prefetch at the tool class's learned median (into free memory only).
-- ``agentcache-on-hicache``: ours on SGLang's own HiCache (``--enable-hierarchical-cache``): our lifecycle
-  decides what HiCache's host pool holds and deletes (``AgentRadixCache.init_hicache``); our own host tier
-  is off, so pauses are advice (keep or discard) and a prefetch uses HiCache's load path.
-- ours, inferred (``agentcache-inferred``): the same cache with no client hint at all: sessions,
+- ours (``agentcache``): lifecycle rank, quotas and closes, our pause policy (learned latency
+  distributions) and a prefetch at the tool class's learned median (into free memory only), on SGLang's
+  own HiCache write-back (``--enable-hierarchical-cache``), as we recommend deploying it: our lifecycle
+  decides what HiCache's host pool holds and deletes (``AgentRadixCache.init_hicache``), pauses are advice
+  over HiCache's moves, a prefetch uses HiCache's load path.
+- ``agentcache-own-tier``: ours on the host tier the package carried before (the node spill into our own
+  host store, exclusive, its own transfer threads). Kept for one more comparison while it is retired
+  (issue #36): at the same host bytes it ties or loses to ours on HiCache in the replay suite and on the
+  38 real sessions.
+- ours, inferred (``agentcache-inferred``, on HiCache too): the same cache with no client hint at all: sessions,
   branches, forks, stable prefixes and tool pauses inferred from the calls as ``AGENTCACHE_INFER=chat``
   infers them from chat requests (``sim/inferred.py``): idle closes that keep the KV cached, edits
   inferred, no client close. ``agentcache-inferred-v1`` is that inference as it first shipped (idle
@@ -61,9 +66,9 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
   reads edits as forks, and ``agentcache-inferred+closes`` adds the trace's own branch closes (what a
   harness's explicit hint would say): they exist for the attribution study
   (``bench/inference_attribution.py``), not as systems.
-- ``clairvoyant``: Belady on true next use, release of what is never used again, an exact prefetch one
-  transfer before the true return. A heuristic that reads the future, *not* a bound: the bound is the
-  LP in ``sim/bound.py``.
+- ``clairvoyant``: Belady on true next use (on both of HiCache's tiers), release of what is never used
+  again, an exact prefetch one transfer before the true return. A heuristic that reads the future, *not*
+  a bound: the bound is the LP in ``sim/bound.py``.
 """
 
 from __future__ import annotations
@@ -265,24 +270,27 @@ POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
     ReplayPolicy("kvflow", "B4 KVFlow steps-to-execution + prefetch, on SGLang's HiCache (write-back)",
                  ranking=StepsRanking, steps=True, hicache="write_back"),
     ReplayPolicy("session-radix", "B5 SGLang session-radix (no host tier)", stock=True, session_radix=True),
-    ReplayPolicy("agentcache", "ours: lifecycle + pause policy + spill", hints=True, quotas=True, spill=True,
-                 pause_rule=OursRule),
-    ReplayPolicy("agentcache-on-hicache", "ours on SGLang's HiCache (write-back; its host pool, our lifecycle)",
+    ReplayPolicy("agentcache", "ours: lifecycle + pause policy on SGLang's HiCache (write-back; its host pool)",
                  hints=True, quotas=True, pause_rule=OursRule, hicache="write_back"),
+    ReplayPolicy("agentcache-own-tier", "ours on our own host tier (being retired: issue #36)", hints=True,
+                 quotas=True, spill=True, pause_rule=OursRule),
     ReplayPolicy("agentcache-inferred", "ours, inferred hints (AGENTCACHE_INFER=chat; no client hints)",
-                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True),
+                 hints=True, quotas=True, pause_rule=OursRule, infer=True, hicache="write_back"),
     ReplayPolicy("agentcache-inferred-v1", "ours, inferred as first shipped (idle closes free; edits are forks)",
-                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_edits=False,
-                 infer_keep_on_close=False, infer_learn_bounds=False),
+                 hints=True, quotas=True, pause_rule=OursRule, infer=True, infer_edits=False,
+                 infer_keep_on_close=False, infer_learn_bounds=False, hicache="write_back"),
     ReplayPolicy("agentcache-inferred-no-edits", "ours, inferred, edits read as forks, fixed bounds (attribution)",
-                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_edits=False,
-                 infer_learn_bounds=False),
+                 hints=True, quotas=True, pause_rule=OursRule, infer=True, infer_edits=False,
+                 infer_learn_bounds=False, hicache="write_back"),
     ReplayPolicy("agentcache-inferred-fixed-bounds", "ours, inferred, fixed idle and tool bounds (attribution)",
-                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_learn_bounds=False),
+                 hints=True, quotas=True, pause_rule=OursRule, infer=True, infer_learn_bounds=False,
+                 hicache="write_back"),
     ReplayPolicy("agentcache-inferred+closes", "ours, inferred, plus the trace's own branch closes (attribution)",
-                 hints=True, quotas=True, spill=True, pause_rule=OursRule, infer=True, infer_trace_closes=True),
+                 hints=True, quotas=True, pause_rule=OursRule, infer=True, infer_trace_closes=True,
+                 hicache="write_back"),
     ReplayPolicy("clairvoyant", "clairvoyant heuristic (Belady + exact prefetch; reads the future, not a bound)",
-                 ranking=NextUseRanking, hints=True, spill=True, clairvoyant=True, pause_rule=ClairvoyantRule),
+                 ranking=NextUseRanking, hints=True, clairvoyant=True, pause_rule=ClairvoyantRule,
+                 hicache="write_back"),
 )}
 
 __all__ = ["CONTINUUM_MIN_SAMPLES", "Future", "NOTHING", "POLICIES", "PauseOrder", "PauseRule", "PauseView",

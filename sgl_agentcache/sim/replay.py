@@ -977,13 +977,18 @@ class _Run:
                       for key, (first, last, answered) in self.session_times.items()}
         report = self.driver.check()
         r.integrity_ok = report.ok
+        if self.driver.hicache:  # HiCache's own copies (ours on HiCache and SGLang's cache alike)
+            moved = self.driver.hicache_moved
+            r.bytes_d2h = moved["d2h_tokens"] * self.profile.kv_bytes_per_token
+            r.bytes_h2d = moved["h2d_tokens"] * self.profile.kv_bytes_per_token
         r.tenant_hit_rates = {t: c / max(n, 1) for t, (c, n) in sorted(self.tenant_tokens.items())}
         if self.agent:
             pauses = self.cache.pauses
             r.decisions = dict(pauses.counters["decisions"]) | {
                 "refused_closed": pauses.counters["refused_closed"], "too_small": pauses.counters["too_small"]}
-            r.bytes_d2h = pauses.host.demotes.tokens * self.profile.kv_bytes_per_token
-            r.bytes_h2d = pauses.host.promotes.tokens * self.profile.kv_bytes_per_token
+            if not self.driver.hicache:
+                r.bytes_d2h = pauses.host.demotes.tokens * self.profile.kv_bytes_per_token
+                r.bytes_h2d = pauses.host.promotes.tokens * self.profile.kv_bytes_per_token
             pf = pauses.prefetch
             judged = pf["used"] + pf["wasted"]
             host_resumes = max(pauses.counters["restores"] + pf["issued"] - pf["used"], 0)

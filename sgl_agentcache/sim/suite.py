@@ -14,11 +14,11 @@ host tier at all and so appear at host 0 only -- stock without a host tier is th
 ratio, in every cell. All systems run at the main host levels (``hosts``); ours and the HiCache
 baselines also run at the sweep levels (``sweep_hosts``, at ``sweep_pressure``).
 
-SGLang's HiCache runs twice: as ``hicache``, the write-back our own host tier emulates, and as
-``sglang-hicache``, SGLang's own HiCache code driven offline (``comparisons_hicache_emulation``: the one
-over the other). Ours runs on both host tiers too: ``agentcache`` on our own, ``agentcache-on-hicache`` on
-SGLang's HiCache (``comparisons_on_hicache``: on HiCache / on our tier, / SGLang's HiCache, / stock) --
-the measurement that decides whether our own host tier can go (issue #36).
+Every system with a host tier runs on SGLang's own HiCache code driven offline (``server/offline.py``):
+``sglang-hicache`` is SGLang's HiCache itself (write-back), the write-back reference of every comparison;
+ours (``agentcache``) is our lifecycle deciding what HiCache's host pool holds. Ours on the host tier the
+package carried before (``agentcache-own-tier``, being retired: issue #36) runs beside it at the same
+host bytes, one more "other system" of ``comparisons`` (never anyone's best baseline).
 
 Statistics. Each figure is a mean over seeds with a 95% confidence interval (Student t over the
 per-seed values); ours against each other system is the per-seed ratio of recomputed tokens, and a
@@ -29,7 +29,7 @@ recompute at least its own bound.
 
 Ours also runs as ``agentcache-inferred``: the same cache given no client hint, the lifecycle inferred
 from the calls as ``AGENTCACHE_INFER=chat`` does (``sim/inferred.py``), compared with ours given the
-trace's explicit hints (``comparisons_inferred``: inferred / explicit, / stock, / hicache).
+trace's explicit hints (``comparisons_inferred``: inferred / explicit, / stock, / SGLang's HiCache).
 
 Everything a report quotes is computed here and written to ``results.json`` with the command, seeds,
 profile and package versions. Jobs (a workload and a seed) run in worker processes.
@@ -67,12 +67,12 @@ REAL_WORKLOADS = {
 OURS = "agentcache"
 #: Ours with no client hints: the lifecycle inferred from the calls (AGENTCACHE_INFER=chat).
 INFERRED = "agentcache-inferred"
-#: Ours on SGLang's own HiCache (its host pool and transfers, our lifecycle), and SGLang's HiCache itself,
-#: both driven offline through SGLang's code (server/offline.py).
-ON_HICACHE = "agentcache-on-hicache"
+#: Ours on the host tier the package carried before HiCache (being retired: issue #36).
+OWN_TIER = "agentcache-own-tier"
+#: SGLang's HiCache itself, driven offline through its code (server/offline.py): the write-back reference.
 SGLANG_HICACHE = "sglang-hicache"
-DEFAULT_POLICIES = ("stock", "hicache", SGLANG_HICACHE, "infercept", "continuum", "kvflow", "session-radix", OURS,
-                    ON_HICACHE, INFERRED, "clairvoyant")
+DEFAULT_POLICIES = ("stock", SGLANG_HICACHE, "infercept", "continuum", "kvflow", "session-radix", OURS, OWN_TIER,
+                    INFERRED, "clairvoyant")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class SuiteConfig:
     hosts: tuple[float, ...] = (0.0, 1.0)  # host tier as a multiple of the pool: every policy (host 0 at
     # the sweep pressure only: every system without a host tier is the equal-memory comparison there)
     sweep_hosts: tuple[float, ...] = (0.25, 0.5, 4.0)  # ours and HiCache only, at sweep_pressure
-    sweep_policies: tuple[str, ...] = ("hicache", SGLANG_HICACHE, OURS, ON_HICACHE)
+    sweep_policies: tuple[str, ...] = (SGLANG_HICACHE, OURS, OWN_TIER)
     sweep_pressure: str = "tight"
     seeds: tuple[int, ...] = tuple(range(1, 11))
     real_seeds: tuple[int, ...] = tuple(range(1, 11))
@@ -166,11 +166,12 @@ def result_row(result: ReplayResult, stock: ReplayResult, cell: dict) -> dict:
 
 def _plan(config: SuiteConfig, pressure: str) -> list[tuple[float, tuple[str, ...]]]:
     """(host level, policies) to run at ``pressure``; reference systems only at host 0, and host 0 only
-    at the sweep pressure. A system on SGLang's HiCache runs only with a host pool (without one it is the
-    same system as its own-tier twin with none)."""
+    at the sweep pressure. A baseline on SGLang's HiCache runs only with a host pool (without one it is
+    LRU or its rule over no host tier, not the system its paper describes); ours runs at host 0 too
+    (the replay then attaches no HiCache: ours without a host tier)."""
     def runs_at(policy: str, host: float) -> bool:
         p = POLICIES[policy]
-        return policy != "stock" and (host == 0 or not p.reference) and (host > 0 or p.hicache is None)
+        return policy != "stock" and (host == 0 or not p.reference) and (host > 0 or p.hicache is None or p.hints)
 
     plan = [(h, tuple(p for p in config.policies if runs_at(p, h)))
             for h in config.hosts if h > 0 or pressure == config.sweep_pressure]
@@ -249,12 +250,10 @@ def run_suite(config: SuiteConfig, profile: Profile, progress: Callable[[str], N
                     progress(f"{workload} seed {seed}")
     return {"config": asdict(config), "profile": profile.to_dict(), "rows": rows, "runs": runs,
             "summary": summarize(rows), "comparisons": compare(rows, OURS),
-            "comparisons_inferred": [c for c in compare(rows, INFERRED) if c["other"] in ("stock", "hicache", OURS)],
-            "comparisons_on_hicache": [c for c in compare(rows, ON_HICACHE)
-                                       if c["other"] in ("stock", "hicache", SGLANG_HICACHE, OURS)],
-            "comparisons_hicache_emulation": [c for c in compare(rows, "hicache") if c["other"] == SGLANG_HICACHE],
+            "comparisons_inferred": [c for c in compare(rows, INFERRED)
+                                     if c["other"] in ("stock", SGLANG_HICACHE, OURS)],
             "latency_comparisons": [c for metric in LATENCY_METRICS for c in compare(rows, OURS, metric)
-                                    if c["other"] in ("stock", "hicache")],
+                                    if c["other"] in ("stock", SGLANG_HICACHE)],
             "jobs": len(jobs),
             "wall_s": time.perf_counter() - started, "environment": environment()}
 
