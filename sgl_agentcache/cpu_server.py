@@ -86,6 +86,29 @@ class Terminated(SystemExit):
     """Raised in the main thread by :func:`exit_on_signals` on SIGTERM, SIGINT or SIGHUP."""
 
 
+#: While a :func:`signals_deferred` block runs: the signals :func:`exit_on_signals` held back (else None).
+_DEFERRED: list[int] | None = None
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold :func:`exit_on_signals`' :class:`Terminated` back while the block runs and raise it when the
+    block ends. For steps an exception must not cut in two: raised between a child's fork and
+    ``Popen``'s return, it leaves a started server no one holds (``CpuServer.start`` has no ``proc`` to
+    stop; the demo's SIGTERM test caught one alive after the demo had exited)."""
+    global _DEFERRED
+    outer = _DEFERRED
+    if outer is None:
+        _DEFERRED = []
+    try:
+        yield
+    finally:
+        held = _DEFERRED
+        _DEFERRED = outer
+    if outer is None and held:
+        raise Terminated(128 + held[0])
+
+
 @contextlib.contextmanager
 def exit_on_signals(announce=None):
     """Within the block, SIGTERM, SIGINT and SIGHUP raise :class:`Terminated` (exit status 128 + signal).
@@ -107,6 +130,9 @@ def exit_on_signals(announce=None):
             signal.signal(sig, signal.SIG_IGN)
         if announce is not None:
             announce(signum)
+        if _DEFERRED is not None:  # inside signals_deferred: raised when that block ends
+            _DEFERRED.append(signum)
+            return
         raise Terminated(128 + signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in signums}
@@ -199,14 +225,15 @@ class CpuServer:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.scratch_dir = tempfile.mkdtemp(prefix="sglang-")  # short: ZMQ socket paths must fit 107 bytes
         try:
-            base = dict(os.environ) if self.gpu else cpu_env()
-            self.proc = subprocess.Popen(self.command(), env=base | {"TMPDIR": self.scratch_dir} | self.env,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()  # the child holds its own copy of the descriptor
-        CpuServer.running[id(self)] = self
-        try:
+            with signals_deferred():  # a signal raised inside Popen would orphan the started group
+                try:
+                    base = dict(os.environ) if self.gpu else cpu_env()
+                    self.proc = subprocess.Popen(self.command(), env=base | {"TMPDIR": self.scratch_dir} | self.env,
+                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                finally:
+                    if log is not subprocess.DEVNULL:
+                        log.close()  # the child holds its own copy of the descriptor
+                CpuServer.running[id(self)] = self
             self._wait_healthy(timeout)
         except BaseException:
             self.stop()
