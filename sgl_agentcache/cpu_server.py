@@ -95,8 +95,12 @@ def signals_deferred():
     """Hold :func:`exit_on_signals`' :class:`Terminated` back while the block runs and raise it when the
     block ends. For steps an exception must not cut in two: raised between a child's fork and
     ``Popen``'s return, it leaves a started server no one holds (``CpuServer.start`` has no ``proc`` to
-    stop; the demo's SIGTERM test caught one alive after the demo had exited)."""
+    stop; the demo's SIGTERM test caught one alive after the demo had exited). Only the main thread
+    defers (signal handlers run there); elsewhere the block runs as it is."""
     global _DEFERRED
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     outer = _DEFERRED
     if outer is None:
         _DEFERRED = []

@@ -50,3 +50,22 @@ def test_outside_a_deferred_block_a_signal_raises_at_once_and_no_signal_raises_n
         with pytest.raises(Terminated) as caught:
             _signal_self(signal.SIGINT)
     assert caught.value.code == 128 + signal.SIGINT
+
+
+def test_a_deferred_block_in_another_thread_holds_nothing_back():
+    """Signal handlers run in the main thread: a worker thread's block (a benchmark starting servers side
+    by side) must not swallow the main thread's Terminated and raise it in the worker instead."""
+    import threading
+
+    from sgl_agentcache import cpu_server
+
+    seen = []
+
+    def worker():
+        with signals_deferred():
+            seen.append(cpu_server._DEFERRED)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [None]
