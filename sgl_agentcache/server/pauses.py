@@ -335,8 +335,9 @@ class PauseBook:
                 decision: PauseDecision | None, chain: list | None = None) -> dict:
         """Lazy mode: record the decision as advice, move nothing. The branch's KV stays where it is,
         ranked as before; what eviction later takes of it is spilled to host and kept there ahead of
-        other host entries (OFFLOAD), spilled as usual (KEEP), or only into free host room, dropped
-        first (DISCARD: not worth displacing anything). Its next request loads back what was spilled
+        other host entries (OFFLOAD), spilled as usual (KEEP; on HiCache kept ahead like OFFLOAD:
+        ``AgentRadixCache._hicache_host_key``), or only into free host room, dropped first (DISCARD:
+        not worth displacing anything). Its next request loads back what was spilled
         when it is matched; a prefetch loads it back earlier. Nothing is pinned: measured on the replay
         suite, moving or pinning at the pause cost more recompute than it saved (module docstring)."""
         tip = self.copies.tip(branch)
