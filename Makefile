@@ -53,8 +53,8 @@ bench-quick: setup
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/admission.py --quick --out $(QUICK_OUT)
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py --quick --out $(QUICK_OUT)
 
-## soak: three phases of 160 s, each on a fresh CPU server: concurrent agents (forks, pauses, prefetches,
-##       closes, aborts, injected faults) with lazy pauses, then eager pauses, then two tenants, one of them
+## soak: three phases of 160 s, each on a fresh CPU server on SGLang's HiCache: concurrent agents (forks,
+##       pauses, prefetches, closes, aborts) with lazy pauses, then eager pauses, then two tenants, one of them
 ##       flooding; leak and integrity checks after each; writes bench/results/soak.json.
 soak: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache soak --seconds 160 --workers 6 --out bench/results/soak.json

@@ -18,7 +18,7 @@ tier (1x the pool per worker):
   ``hicache-session-lpm`` the same with SGLang's ``--schedule-policy lpm`` on its workers;
 - ``agentcache-no-host``: ours, hints on every call, **no** host tier, the router's ``manual`` policy
   with our routing key (every call of a session on one worker);
-- ``agentcache``: ours with the host tier and node spill, ``manual`` + routing key.
+- ``agentcache``: ours on SGLang's HiCache (write-back, the same host tokens), ``manual`` + routing key.
 
 Every worker runs ``--schedule-policy fcfs`` unless its name ends in ``-lpm``. Equal memory per
 comparison: ``agentcache`` is compared with the write-back systems (same pools and host bytes),
@@ -64,8 +64,8 @@ from sgl_agentcache.tiny_model import make_tiny_model  # noqa: E402
 from sgl_agentcache.trace.generators import generate  # noqa: E402
 
 WORKERS = 2
-#: name -> (radix-cache backend, hints and routes, host tier, router policy). The host tier: ``"spill"``
-#: ours with its node spill, ``"hicache"`` SGLang's own HiCache (write-back), None. ``manual`` routes by the
+#: name -> (radix-cache backend, hints and routes, host tier, router policy). The host tier: ``"hicache"``
+#: SGLang's own HiCache (write-back; ours decides what it holds), None. ``manual`` routes by the
 #: session's routing key (hinted systems send their hint with it, the others only the key).
 SYSTEMS = {
     "stock-round-robin": (None, False, None, "round_robin"),
@@ -76,7 +76,7 @@ SYSTEMS = {
     "hicache-session": (None, False, "hicache", "manual"),
     "hicache-session-lpm": (None, False, "hicache", "manual"),
     "agentcache-no-host": ("agentcache", True, None, "manual"),
-    "agentcache": ("agentcache", True, "spill", "manual"),
+    "agentcache": ("agentcache", True, "hicache", "manual"),
 }
 #: (ours, theirs): the pairs with equal device pools and equal host bytes.
 COMPARISONS = (("agentcache", "hicache-session"), ("agentcache", "hicache-session-lpm"),
@@ -155,10 +155,6 @@ def run_system(name: str, model, trace, plan, cfg: dict, log_dir: Path) -> tuple
     """``cfg["passes"]`` passes on fresh workers behind a fresh router (as server_recompute.run_backend)."""
     backend, agent, host, policy = SYSTEMS[name]
     env, extra = {}, ["--schedule-policy", schedule_policy(name)]
-    if host == "spill":
-        env = {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(single.host_tokens(cfg))}
-    elif backend:
-        env = {"AGENTCACHE_HOST_TOKENS": "0"}
     if host == "hicache":  # its host pool sized to the same host tokens (plus one padding page)
         extra += ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back", "--hicache-io-backend",
                   "direct", "--hicache-ratio", f"{cfg['host_ratio']:g}"]
@@ -268,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"workload": "branch_heavy", "workers": WORKERS, **{k: v for k, v in cfg.items() if k != "trace"},
                    "host_tokens_per_worker": single.host_tokens(cfg), "trace_params": cfg["trace"],
                    "sessions_dropped_for_context": dropped, "trace_stats": single.trace_stats(trace, plan),
-                   "systems": {n: {"radix_cache_backend": b or "default", "hints": h, "host_spill": ht == "spill",
+                   "systems": {n: {"radix_cache_backend": b or "default", "hints": h, "host_tier": ht,
                                    "hicache_write_policy": "write_back" if ht == "hicache" else None,
                                    "router_policy": pol, "schedule_policy": schedule_policy(n)}
                                for n, (b, h, ht, pol) in SYSTEMS.items() if n in names}},

@@ -113,6 +113,7 @@ def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
                     raise RuntimeError("the histories never reached the shared store")
                 time.sleep(0.2)
         workers[1].stop()  # it dies with its sessions; the router re-pins them to worker 0
+        router.wait_healthy(1)  # the first call after the move measures the load, not failure detection
         for _ in range(cfg["turns_after"]):
             for session, ids in sessions.items():
                 out, latency = _turn(router, session, ids)

@@ -337,6 +337,11 @@ def _server(body: dict) -> list[str]:
         q = x["resume_ttft_s"]
         out.append(f"{name} | {x.get('schedule_policy', 'fcfs')} | {x['host_tokens']} | {x['computed_tokens']} | "
                    f"{x['failures']} | {x['jct_s']:.1f} | {q['p50']:.3f} / {q['p99']:.3f}")
+    admit = b.get("agentcache-admit-lpm", {}).get("agentcache", {}).get("stats", {}).get("admission", {})
+    if admit.get("passes"):
+        out.append(f"(`agentcache-admit-lpm`: `AGENTCACHE_ADMISSION=agent` over `lpm`'s order; its last pass "
+                   f"reordered {admit['reordered_passes']} of {admit['passes']} scheduler passes and moved "
+                   f"{admit['moved_ahead']} requests ahead.)")
     out.append("")
     for pair, c in body["comparison"].items():
         parts = [f"{k.replace('_', ' ')} {_passwise(v)} {v['verdict']}" for k, v in c.items() if isinstance(v, dict)]
@@ -344,31 +349,8 @@ def _server(body: dict) -> list[str]:
     return out + [""]
 
 
-#: The server benchmark's subset run for issue #36: our lifecycle on SGLang's HiCache against HiCache
-#: itself and against our own host tier (``server_recompute.py --backends ...``).
-ON_HICACHE = "server_recompute-hicache-wb-lpm+agentcache-lpm+agentcache-hicache-lpm.json"
-
-
-def _server_on_hicache(body: dict) -> list[str]:
-    return (["Our backend on SGLang's own HiCache (`agentcache-hicache-lpm`: HiCache write-back's host pool "
-             "under our lifecycle, our own host tier off), against HiCache itself and against our own host "
-             "tier, in a run of its own (`--backends`):", ""] + _server(body))
-
-
-#: The server benchmark's subset run for issue #40: program-aware admission over ours under lpm.
-ADMISSION_SERVER = "server_recompute-hicache-wb-lpm+agentcache-lpm+agentcache-admit-lpm.json"
-
-
-def _server_admission(body: dict) -> list[str]:
-    admit = body["backends"]["agentcache-admit-lpm"].get("agentcache", {}).get("stats", {}).get("admission", {})
-    moved = (f" (last pass: {admit['reordered_passes']} of {admit['passes']} scheduler passes reordered, "
-             f"{admit['moved_ahead']} requests moved ahead)" if admit.get("passes") else "")
-    return ([f"Program-aware admission on the real server (`agentcache-admit-lpm`: `AGENTCACHE_ADMISSION=agent` "
-             f"over `lpm`'s order){moved}, in a run of its own (`--backends`):", ""] + _server(body))
-
-
 #: The server benchmark over independent traces (``--trace-seeds``): intervals over traces.
-SERVER_SEEDS = "server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-hicache-lpm.json"
+SERVER_SEEDS = "server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-admit-lpm.json"
 _SERVER_MEASURES = (("computed", "prefill computed"), ("jct", "JCT"), ("resume_ttft_p50", "resume TTFT p50"),
                     ("resume_ttft_p99", "resume TTFT p99"))
 
@@ -507,7 +489,16 @@ def _replay_vs_server(body: dict) -> list[str]:
 
 
 def _hicache_emulation(body: dict) -> list[str]:
-    h = body.get("hicache_emulation")
+    h = body.get("hicache_offline")
+    if h:
+        verdict = "within" if h["within_5_percent"] else "outside"
+        return [f"The replay's `sglang-hicache` policy (SGLang's HiCache code driven offline, the write-back "
+                f"reference of every replay table) on the same trace as stock SGLang with its own HiCache on the "
+                f"server (write-back, same pool and host tokens): prefill computed "
+                f"{h['computed_tokens']['replay']:,} (replay) / {h['computed_tokens']['server']:,} (server) = "
+                f"{h['computed_ratio_replay_over_server']:.3f}x over {h['calls_compared']} calls, {verdict} the "
+                "5% target.", ""]
+    h = body.get("hicache_emulation")  # results written before the emulation was removed
     if not h:
         return []
     verdict = "within" if h["within_5_percent"] else "outside"
@@ -600,14 +591,14 @@ def _overhead(body: dict) -> list[str]:
     ]
 
 
-_SOAK_PHASES = {"lazy": "lazy pauses (the defaults)", "eager": "eager pauses (copies on worker threads, prefetches)",
+_SOAK_PHASES = {"lazy": "lazy pauses (the defaults)",
+                "eager": "eager pauses (offloads demoted into HiCache's host pool, prefetches)",
                 "flooder": "two tenants, the one flooding (pausing calls as fast as answered, refused over-long chats)",
                 "victim": "two tenants, the other one"}
 
 
 def _soak_run(body: dict) -> str:
     calls = {k: v for k, v in body["calls"].items() if k not in ("race_close_overtook", "abandoned_sessions")}
-    faults = {k: calls.get(k, 0) for k in ("aborted_stream", "fault", "race_close")}
     host = body["host_tokens"]
     waits = body.get("stats_wait_s")
     timed = (f"; its `GET /agentcache/stats` meanwhile: p50 {waits['p50']:.3f} s, max {waits['max']:.3f} s "
@@ -615,28 +606,27 @@ def _soak_run(body: dict) -> str:
     flooding = body.get("flood_workers")
     flood = f", {calls.get('flood_refused_chat', 0)} refused over-long chats" if flooding else ""
     who = f"{body['workers']} agents" + (f" and {flooding} flooding threads" if flooding else "")
-    failed = body['fallbacks']['offload']['transfer_failed'] + sum(body['fallbacks']['restore'].values())
     checked = "passed" if body["check_ok"] else "FAILED"
     return (f"{who} "
             f"for {body['seconds']:.0f} s: {sum(calls.values())} calls ({calls.get('generate', 0)} generations, "
             f"{calls.get('session_close', 0)} sessions, {calls.get('pause', 0)} pauses, {calls.get('prefetch', 0)} "
-            f"prefetches{flood}); faults: {faults['aborted_stream']} client disconnects mid-stream, {faults['fault']} "
-            f"failed transfers armed, {faults['race_close']} closes racing an in-flight request, "
+            f"prefetches{flood}); {calls.get('aborted_stream', 0)} client disconnects mid-stream, "
+            f"{calls.get('race_close', 0)} closes racing an in-flight request, "
             f"{body['calls'].get('abandoned_sessions', 0)} tools that never return ({body.get('deadline_releases', 0)} "
-            f"deadline releases); fallbacks to recompute: {body['fallbacks']['offload']['host_full']} offloads to a "
-            f"full host tier, {failed} "
-            f"failed or impossible pause transfers, {sum(body.get('spill_failures', {}).values())} failed spill copies "
-            f"or load-backs{timed}. Unexplained failures {len(body['unexpected_failures'])}, leaked tokens "
-            f"{body['leaked_tokens']}, terminated tokens left {body['terminated_pending_tokens']}, host tier "
-            f"{host['before']} -> {host['after']} tokens, integrity check {checked}, "
+            f"deadline releases); {body.get('hicache_offloaded_tokens', 0)} tokens offloaded into HiCache's host "
+            f"pool, {body['fallbacks']['offload']['host_full']} offloads to a full host pool{timed}. Unexplained "
+            f"failures {len(body['unexpected_failures'])}, leaked tokens "
+            f"{body['leaked_tokens']}, terminated tokens left {body['terminated_pending_tokens']} on the device and "
+            f"{host['before']} -> {host['after']} in the host pool, integrity check {checked}, "
             f"server {'alive and healthy' if body['health'] == 200 and body.get('server_alive', True) else 'DOWN'}: "
             f"{'pass' if body['passed'] else 'FAIL'}.")
 
 
 def _soak(body: dict) -> list[str]:
     phases = [(name, run) for name, run in body.items() if isinstance(run, dict)]
-    lines = ["Soak (`make soak`: three phases, each on a fresh CPU server; a phase passes with no server death, no "
-             "unexplained failure and no leaked token):", ""]
+    lines = ["Soak (`make soak`: three phases, each on a fresh CPU server on SGLang's HiCache, a host pool 1/8 of "
+             "the device pool; a phase passes with no server death, no unexplained failure and no leaked token):",
+             ""]
     lines += [f"- {_SOAK_PHASES.get(name, name)}: {_soak_run(run)}" for name, run in phases]
     return lines + ["", f"Soak overall: {'pass' if body['passed'] else 'FAIL'}.", ""]
 
@@ -723,8 +713,18 @@ def _server_summary(body: dict) -> list[str]:
                      f"JCT {_passwise(jct)} ({jct['verdict']})")
     return [f"Real CPU server (`{cfg['workload']}` trace, {cfg['pool_tokens']}-token pool, host tier "
             f"{cfg['host_tokens']} tokens for every backend that has one, {cfg['passes']} interleaved passes; "
-            "`-lpm`: SGLang's `--schedule-policy lpm`, else `fcfs`; on the server `agentcache` and `agentcache-lpm` "
-            "run our own host tier, `agentcache-hicache-lpm` runs on SGLang's HiCache): " + "; ".join(parts) + ".", ""]
+            "`-lpm`: SGLang's `--schedule-policy lpm`, else `fcfs`; " + _where_ours_ran(cfg) + "): "
+            + "; ".join(parts) + ".", ""]
+
+
+def _where_ours_ran(cfg: dict) -> str:
+    """Which host tier the server's ``agentcache`` ran on in this results file (the own tier before it was
+    removed, SGLang's HiCache since)."""
+    ours = cfg.get("backends", {}).get("agentcache", {})
+    if ours.get("hicache_write_policy"):
+        return "ours (`agentcache*`) on SGLang's HiCache write-back"
+    return ("on the server `agentcache` and `agentcache-lpm` ran our own host tier (since removed), "
+            "`agentcache-hicache-lpm` on SGLang's HiCache")
 
 
 def _render(sections: tuple, tail: tuple = ()) -> str:
@@ -750,8 +750,7 @@ def render() -> str:
     """bench/README.md's block: every table."""
     return _render((("replay/results.json", _replay), ("real_sessions.json", _sessions),
                     ("inference_attribution.json", _attribution), ("admission.json", _admission),
-                    ("server_recompute.json", _server), (ON_HICACHE, _server_on_hicache),
-                    (ADMISSION_SERVER, _server_admission), (SERVER_SEEDS, _server_seeds),
+                    ("server_recompute.json", _server), (SERVER_SEEDS, _server_seeds),
                     ("cluster_recompute.json", _cluster), ("l3_failover.json", _l3_failover),
                     ("replay_vs_server.json", _replay_vs_server), ("tree_overhead.json", _overhead),
                     ("soak.json", _soak)))

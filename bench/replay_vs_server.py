@@ -2,11 +2,11 @@
 
 Contract. One seeded ``branch_heavy`` trace (server_recompute's generator and plan) is played on its
 own clock (``time_scale`` 1: arrivals, tool durations and think times as the trace gives them) against
-one real SGLang 0.5.23 CPU server with our backend (hints, host tier 1x the pool, ``fcfs``), with
-enough clients that none waits at the client: every call is queued by the server. The same trace then
-runs through the replayer (``sgl_agentcache.sim.replay``, policy ``agentcache-own-tier``: the server runs
-our own host tier here) with the same pool,
-host tier and running-request limit, priced by a profile **measured on that server** first:
+one real SGLang 0.5.23 CPU server with our backend (hints, on SGLang's HiCache write-back with a host
+pool 1x the device pool, ``fcfs``), with enough clients that none waits at the client: every call is
+queued by the server. The same trace then runs through the replayer (``sgl_agentcache.sim.replay``,
+policy ``agentcache``: ours on SGLang's HiCache driven offline) with the same pool, host tier and
+running-request limit, priced by a profile **measured on that server** first:
 
 - prefill rate: the slope of time to first token over prompt length (fresh random prompts of 128 to
   1,536 tokens, one token out, the median of three each; the intercept is the fixed cost per call,
@@ -23,9 +23,10 @@ cost per call added to the replay's), their Spearman rank
 correlation, and the cached-token totals. A check, not a claim: it says how far the replayer's
 latencies can be read as the server's.
 
-Second check (``hicache_emulation``): the same trace on stock SGLang with its own HiCache (write-back,
-the same pool and host tokens; ``server_recompute``'s ``hicache-wb``), against the replayer's ``hicache``
-policy, which emulates it: prefill tokens computed on both sides and their ratio (the target: within 5%).
+Second check (``hicache_offline``): the same trace on stock SGLang with its own HiCache (write-back,
+the same pool and host tokens; ``server_recompute``'s ``hicache-wb``), against the replayer's
+``sglang-hicache`` policy, which drives that same HiCache code offline: prefill tokens computed on both
+sides and their ratio (the target: within 5%).
 
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/replay_vs_server.py [--quick] [--out DIR]``
 (default ``bench/results``; writes ``replay_vs_server.json``; about 5 minutes, ``--quick`` about 2).
@@ -131,11 +132,10 @@ def write_profile(profile: Profile, measured: dict, path: Path) -> None:
 # ---- the two runs ----
 
 def run_server(model, trace, plan, cfg: dict, profile_path: Path, log_dir: Path) -> single.Replayer:
-    env = {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(single.host_tokens(cfg)),
-           "AGENTCACHE_PROFILE": str(profile_path)}
-    server = CpuServer(str(model.path), backend="agentcache", log_path=log_dir / "server.log",
-                       max_total_tokens=cfg["pool_tokens"], context_length=cfg["context_length"], env=env,
-                       extra_args=("--schedule-policy", "fcfs"))
+    """Ours on SGLang's HiCache (server_recompute's ``agentcache`` configuration), pricing pauses with
+    the measured profile."""
+    server = single.start_server("agentcache", model, cfg, log_dir)
+    server.env = dict(server.env or {}) | {"AGENTCACHE_PROFILE": str(profile_path)}
     return _play(server, model, trace, plan, cfg, agent=True)
 
 
@@ -159,8 +159,9 @@ def _served_rows(rep: single.Replayer) -> dict:
 
 
 def hicache_check(trace, rep: single.Replayer, sim) -> dict:
-    """The replay's ``hicache`` policy (our write-back emulation) against SGLang's real HiCache on the
-    same trace: prefill tokens computed over the calls both served, and their ratio."""
+    """The replay's ``sglang-hicache`` policy (SGLang's HiCache code driven offline) against the real
+    server running it on the same trace: prefill tokens computed over the calls both served, and their
+    ratio."""
     rows = _served_rows(rep)
     both = [r for r in trace.requests if r.id in rows and r.id in sim.calls]
     server = sum(rows[r.id]["input"] - rows[r.id]["cached"] for r in both)
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         hicache_rep = run_hicache_server(model, trace, plan, cfg, log_dir)
     sims = {policy: replay(trace, policy, pool_tokens=cfg["pool_tokens"], host_tokens=single.host_tokens(cfg),
                            profile=profile, vocab_size=model.vocab_size, max_live=MAX_RUNNING, timeline=False)
-            for policy in ("agentcache-own-tier", "hicache")}
+            for policy in ("agentcache", "sglang-hicache")}
     result = {
         "benchmark": "replay_vs_server", "mode": mode,
         "command": "SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/replay_vs_server.py" + " --quick" * args.quick,
@@ -248,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                    "sessions_dropped_for_context": dropped, "max_running_requests": MAX_RUNNING},
         "profile": profile.to_dict(), "measured": measured,
         "server_failures": sum(row["status"] != 200 for row in rep.rows.values()),
-        **compare(trace, rep, sims["agentcache-own-tier"], max(measured["per_call_overhead_s"], 0.0)),
-        "hicache_emulation": hicache_check(trace, hicache_rep, sims["hicache"]),
+        **compare(trace, rep, sims["agentcache"], max(measured["per_call_overhead_s"], 0.0)),
+        "hicache_offline": hicache_check(trace, hicache_rep, sims["sglang-hicache"]),
     }
     (out / "replay_vs_server.json").write_text(single.dump_json(result))
     print_summary(result)
@@ -265,8 +266,8 @@ def print_summary(result: dict) -> None:
           f"{result['ttft_ratio_with_call_overhead']['p50']}); Spearman {result['ttft_spearman']}; cached "
           f"{result['cached_tokens']['server']:,} / {result['cached_tokens']['replay']:,}; JCT "
           f"{result['jct_s']['server']:.1f} / {result['jct_s']['replay']:.1f} s")
-    h = result["hicache_emulation"]
-    print(f"[replay_vs_server] the replay's hicache emulation / SGLang's HiCache (write-back): prefill computed "
+    h = result["hicache_offline"]
+    print(f"[replay_vs_server] SGLang's HiCache offline / on the server (write-back): prefill computed "
           f"{h['computed_tokens']['replay']:,} / {h['computed_tokens']['server']:,} = "
           f"{h['computed_ratio_replay_over_server']:.3f}x over {h['calls_compared']} calls")
 

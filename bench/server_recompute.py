@@ -11,14 +11,8 @@ same host tier:
   ``--hicache-write-policy write_back`` / ``write_through``, ``--hicache-io-backend direct``, default
   ``page_first_direct`` layout), its host pool sized by ``--hicache-ratio`` to the same host tokens as
   ours; it serves on CPU through ``sgl-agentcache cpu-setup``'s HiCache shim. This is the real competitor;
-- ``emulated-wb``: the write-back emulation the replay's ``hicache`` policy models (stock LRU plus our
-  node-granular host tier, exclusive: an entry leaves host when loaded back): the ``agentcache`` backend
-  with ``AGENTCACHE_HOST_SPILL=1`` and requests *without* lifecycle hints, so its tree keeps stock LRU
-  order and no pause machinery runs. Kept beside the real HiCache to show how far the emulation is from it;
-- ``agentcache``: ours, lifecycle hints on every call, the same host tier bytes and node spill;
-- ``agentcache-hicache-lpm``: ours on SGLang's own HiCache (write-back, the same host tokens in its host
-  pool; our own host tier off), under ``lpm``: the measurement issue #36 asks for before our host tier
-  may go;
+- ``agentcache``: ours, lifecycle hints on every call, on SGLang's own HiCache (write-back, the same host
+  tokens in its host pool): our lifecycle decides what HiCache's host pool holds (issue #36);
 - ``agentcache-admit-lpm``: ``agentcache-lpm`` with program-aware admission
   (``AGENTCACHE_ADMISSION=agent``, issue #40): returning turns whose KV is resident before new sessions.
 
@@ -113,7 +107,6 @@ class Backend(NamedTuple):
 
     radix_backend: str | None  # --radix-cache-backend (None: SGLang's default)
     hints: bool  # lifecycle hints on requests and our routes for events
-    spill: bool  # our host tier's node spill (AGENTCACHE_HOST_SPILL=1)
     schedule_policy: str  # --schedule-policy
     hicache_write_policy: str | None = None  # SGLang's own HiCache with this --hicache-write-policy
     admission: str | None = None  # AGENTCACHE_ADMISSION: program-aware admission order (issue #40)
@@ -122,23 +115,19 @@ class Backend(NamedTuple):
 #: ``lpm`` is SGLang's cache-aware order (longest prefix first, and in-batch prefix sharing: of waiting
 #: requests that share a prefix, one computes it and the others wait for it), which gives the baselines
 #: the shared-prefill saving our hints give ours under ``fcfs``.
-BACKENDS = {"stock": Backend(None, False, False, "fcfs"), "stock-lpm": Backend(None, False, False, "lpm"),
-            "hicache-wb": Backend(None, False, False, "fcfs", "write_back"),
-            "hicache-wb-lpm": Backend(None, False, False, "lpm", "write_back"),
-            "hicache-wt-lpm": Backend(None, False, False, "lpm", "write_through"),
-            "emulated-wb-lpm": Backend("agentcache", False, True, "lpm"),
-            "agentcache": Backend("agentcache", True, True, "fcfs"),
-            "agentcache-lpm": Backend("agentcache", True, True, "lpm"),
-            # Our lifecycle on SGLang's own HiCache (issue #36): its host pool, same host tokens.
-            "agentcache-hicache-lpm": Backend("agentcache", True, False, "lpm", "write_back"),
+BACKENDS = {"stock": Backend(None, False, "fcfs"), "stock-lpm": Backend(None, False, "lpm"),
+            "hicache-wb": Backend(None, False, "fcfs", "write_back"),
+            "hicache-wb-lpm": Backend(None, False, "lpm", "write_back"),
+            "hicache-wt-lpm": Backend(None, False, "lpm", "write_through"),
+            # Ours: our lifecycle on SGLang's own HiCache (issue #36): its host pool, same host tokens.
+            "agentcache": Backend("agentcache", True, "fcfs", "write_back"),
+            "agentcache-lpm": Backend("agentcache", True, "lpm", "write_back"),
             # Ours with program-aware admission (issue #40) over lpm's order.
-            "agentcache-admit-lpm": Backend("agentcache", True, True, "lpm", admission="agent")}
+            "agentcache-admit-lpm": Backend("agentcache", True, "lpm", "write_back", admission="agent")}
 #: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against SGLang's HiCache
-#: under lpm (the strongest baseline here). The last pair checks the replay's emulation against the real one.
+#: under lpm (the strongest baseline here).
 COMPARISONS = (("agentcache", "hicache-wb-lpm"), ("agentcache", "hicache-wt-lpm"), ("agentcache-lpm", "hicache-wb-lpm"),
-               ("agentcache", "hicache-wb"), ("agentcache", "emulated-wb-lpm"), ("agentcache", "stock"),
-               ("agentcache", "stock-lpm"), ("emulated-wb-lpm", "hicache-wb-lpm"),
-               ("agentcache-hicache-lpm", "hicache-wb-lpm"), ("agentcache-hicache-lpm", "agentcache-lpm"),
+               ("agentcache", "hicache-wb"), ("agentcache", "stock"), ("agentcache", "stock-lpm"),
                ("agentcache-admit-lpm", "hicache-wb-lpm"), ("agentcache-admit-lpm", "agentcache-lpm"))
 #: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
 #: when pauses go through the route).
@@ -460,10 +449,6 @@ def start_server(name: str, model, cfg: dict, log_dir: Path) -> CpuServer:
     that have a host tier."""
     b = BACKENDS[name]
     env = {"AGENTCACHE_EVENT_LOG": str(log_dir / f"{name}-events.jsonl")} if b.radix_backend else {}
-    if b.spill:  # the same host tier for every backend that has one
-        env |= {"AGENTCACHE_HOST_SPILL": "1", "AGENTCACHE_HOST_TOKENS": str(host_tokens(cfg))}
-    elif b.radix_backend:
-        env |= {"AGENTCACHE_HOST_TOKENS": "0"}
     if b.admission:
         env |= {"AGENTCACHE_ADMISSION": b.admission}
     extra = ["--schedule-policy", b.schedule_policy]
@@ -483,7 +468,7 @@ def start_server(name: str, model, cfg: dict, log_dir: Path) -> CpuServer:
 
 def has_host_tier(name: str) -> bool:
     b = BACKENDS[name]
-    return b.spill or b.hicache_write_policy is not None
+    return b.hicache_write_policy is not None
 
 
 def run_pass(name: str, server: CpuServer, k: int, trace: Trace, plan: list[Step], cfg: dict, vocab: int,
@@ -554,8 +539,8 @@ def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
 # ---- report ----
 
 COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache-wb": "#e08a2c", "hicache-wb-lpm": "#b05f10",
-           "hicache-wt-lpm": "#8a4a0c", "emulated-wb-lpm": "#d8b26a", "agentcache": "#2b7bba",
-           "agentcache-lpm": "#164f80", "agentcache-hicache-lpm": "#2e9e6b", "agentcache-admit-lpm": "#8a3ffc"}
+           "hicache-wt-lpm": "#8a4a0c", "agentcache": "#2b7bba",
+           "agentcache-lpm": "#164f80", "agentcache-admit-lpm": "#8a3ffc"}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -767,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                    "host_tokens": host_tokens(cfg), "trace_params": cfg["trace"], "vocab_size": model.vocab_size,
                    "sessions_dropped_for_context": dropped, "trace_stats": trace_stats(trace, plan),
                    "backends": {n: {"radix_cache_backend": b.radix_backend or "default", "hints": b.hints,
-                                    "host_spill": b.spill, "schedule_policy": b.schedule_policy,
+                                    "schedule_policy": b.schedule_policy,
                                     "hicache_write_policy": b.hicache_write_policy}
                                 for n, b in BACKENDS.items() if n in names}},
         "backends": backends,

@@ -20,7 +20,7 @@ through our hinted cache (:func:`record`): ``admit`` (token ids, lifecycle hint 
 ``extend`` (output ids), ``finish``, ``abort``, ``close_branch`` / ``close_session``. Playing it back
 runs the scheduler's own SGLang code paths (``match_kv_cache``, ``alloc_for_extend`` with eviction,
 ``checkpoint_kv_cache``, ``release_kv_cache``, per-step ``flush_pending_backups``) through
-:class:`~sgl_agentcache.server.offline.OfflineDriver`, so every cache sees the calls a scheduler would
+:class:`~sgl_agentcache.server.scheduler.offline.OfflineDriver`, so every cache sees the calls a scheduler would
 make for that traffic -- rather than a cache-level log, which would replay one cache's match results
 (node ids, prefix lengths) into another. The driver runs batches of one, so ``flush_pending_backups``
 (``tick``) runs once per request per decode step; a batching server runs it once per batch.
@@ -75,10 +75,10 @@ from pathlib import Path
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-import sgl_agentcache.server.offline as offline  # noqa: E402
+import sgl_agentcache.server.scheduler.offline as offline  # noqa: E402
 from sgl_agentcache.hints import lifecycle_envelope  # noqa: E402
 from sgl_agentcache.lifecycle import BranchKey, namespace_key  # noqa: E402
-from sgl_agentcache.server.integrity import check_tree  # noqa: E402
+from sgl_agentcache.server.scheduler.integrity import check_tree  # noqa: E402
 from sgl_agentcache.trace.generators import generate  # noqa: E402
 from sgl_agentcache.trace.schema import Event, Request, Trace, block_token_ids  # noqa: E402
 
@@ -179,8 +179,7 @@ def record(workload: str, scale: float, pool_tokens: int, seed: int = 0, max_req
     longest = max(r.input_tokens + max(r.output_tokens, 1) for r in trace.requests)
     stream = Stream(workload, scale, pool_tokens, longest, max_reqs, record_pool_tokens=pool_tokens)
     emit = stream.ops.append
-    cache = offline.build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_reqs, context_len=longest,
-                                        host_spill=False)
+    cache = offline.build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_reqs, context_len=longest)
     driver, tokens = offline.OfflineDriver(cache), _Tokens(trace)
     live: dict[tuple, tuple] = {}  # branch -> (offline req, trace request), oldest first
 
@@ -328,8 +327,8 @@ def build(variant: str, stream: Stream, pool_tokens: int | None = None):
         if cache._tree_core_backend != "rust":
             raise RustUnavailable(f"SGLang built the {cache._tree_core_backend!r} tree core")
         return cache
-    # The tree's own bookkeeping: the node spill (a host transfer, measured on the server) stays off.
-    cache = offline.build_offline_cache(stock=variant.startswith("stock"), host_spill=False, **kwargs)
+    # The tree's own bookkeeping: no host tier (HiCache's copies are measured on the server).
+    cache = offline.build_offline_cache(stock=variant.startswith("stock"), **kwargs)
     if variant == "ours_hinted_full_walk":
         cache.skip_locked_prefix = False
     return cache
@@ -525,7 +524,7 @@ def _counting_insert_steps(counts: Counter):
     ``(id, "skipped")``, the locked nodes ``AgentTreeCore._skip_locked_prefix`` moved past instead."""
     from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
-    import sgl_agentcache.server.tree_core as agent_core
+    import sgl_agentcache.server.scheduler.tree_core as agent_core
 
     step, skip = UnifiedTreeCore._insert_walk_step, agent_core.AgentTreeCore._skip_locked_prefix
 

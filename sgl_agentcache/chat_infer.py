@@ -3,7 +3,7 @@
 Most agent harnesses send plain ``/v1/chat/completions`` requests with ``tools`` and ``tool_calls``
 and never add our hint header. With ``AGENTCACHE_INFER=chat`` the server infers a hint for each such
 request from the chat itself; an explicit hint (the header) always wins and is never mixed with an
-inferred one. This module holds the inference state and rules; ``server/chat_hooks.py`` feeds it the
+inferred one. This module holds the inference state and rules; ``server/front/chat_hooks.py`` feeds it the
 requests and carries out what it decides, and the replay (``sim/inferred.py``) drives the same class
 with a trace's block fingerprints for the "ours, inferred" row.
 
@@ -59,47 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple
 
 from sgl_agentcache.namespaced_lru import NamespacedLRU
-from sgl_agentcache.policy.gap_bounds import MIN_GAPS, WINDOW, GapBounds
-
-#: "chat": infer hints for OpenAI chat requests that carry none; anything else (default ""): off.
-INFER_ENV = "AGENTCACHE_INFER"
-#: Seconds a branch may sit with no request in flight before it is closed (default 300).
-IDLE_ENV = "AGENTCACHE_INFER_IDLE_S"
-#: Gaps a namespace must show before its wait bounds are learned (default 16; 0: fixed bounds only).
-LEARN_AFTER_ENV = "AGENTCACHE_INFER_LEARN_AFTER"
+from sgl_agentcache.policy.gap_bounds import MIN_GAPS, GapBounds
 
 _DIGEST = 16  # bytes per fingerprint (BLAKE2b): collisions are out of reach for a conversation's life
-
-
-def infer_mode() -> str:
-    """The configured inference mode ("chat" or ""); an unknown value stops start-up."""
-    mode = os.environ.get(INFER_ENV, "").strip().lower()
-    if mode not in ("", "off", "chat"):
-        raise ValueError(f"{INFER_ENV}={mode!r}: expected 'chat' or 'off'")
-    return "" if mode == "off" else mode
-
-
-def idle_seconds() -> float:
-    value = os.environ.get(IDLE_ENV, "300")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{IDLE_ENV}={value!r} is not a number of seconds") from None
-    if not seconds > 0:
-        raise ValueError(f"{IDLE_ENV} must be > 0 seconds, got {value!r}")
-    return seconds
-
-
-def learn_after_gaps() -> int:
-    """``AGENTCACHE_INFER_LEARN_AFTER`` (0: never learn); a bad value stops start-up."""
-    value = os.environ.get(LEARN_AFTER_ENV, str(MIN_GAPS))
-    try:
-        gaps = int(value)
-    except ValueError:
-        raise ValueError(f"{LEARN_AFTER_ENV}={value!r} is not a whole number of gaps") from None
-    if not 0 <= gaps <= WINDOW:
-        raise ValueError(f"{LEARN_AFTER_ENV} must be within 0..{WINDOW} (0: fixed bounds), got {value!r}")
-    return gaps
 
 
 def _text(content: Any) -> str:
@@ -564,5 +526,4 @@ class ChatInference:
                 "fingerprints": self.fingerprint_count, "idle_s": self.idle_s, **self.counters}
 
 
-__all__ = ["Assignment", "ChatInference", "ChatTurn", "Closing", "IDLE_ENV", "INFER_ENV", "Inferred",
-           "LEARN_AFTER_ENV", "canonical_message", "idle_seconds", "infer_mode", "learn_after_gaps", "tool_names"]
+__all__ = ["Assignment", "ChatInference", "ChatTurn", "Closing", "Inferred", "canonical_message", "tool_names"]

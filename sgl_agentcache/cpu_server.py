@@ -186,6 +186,15 @@ def _json_or_text(payload: bytes, key: str = "text") -> dict:
         return {key: payload.decode(errors="replace")}
 
 
+#: Relaunches of a server whose HTTP port was taken while it started (see :meth:`CpuServer.start`).
+BIND_RETRIES = 2
+
+
+class PortTaken(RuntimeError):
+    """The server's HTTP port was taken before it could bind it (by one of its own internal ports, or
+    another process): this launch cannot come up."""
+
+
 @dataclass
 class CpuServer:
     """A running ``python -m sglang.launch_server`` process on 127.0.0.1."""
@@ -222,10 +231,25 @@ class CpuServer:
     def start(self, timeout: float = 480.0) -> "CpuServer":
         """Launch the server and wait until ``/health`` answers 200.
 
+        SGLang picks its internal ports at random before its HTTP server binds ``port``, so one of them
+        can take that port (its log then says the bind failed, and the process lingers): the launch is
+        stopped and retried on the same port (the URL others already hold), up to
+        :data:`BIND_RETRIES` times. Needs ``log_path`` to see it.
+
         On any failure or interruption while waiting (including :class:`Terminated` or
         ``KeyboardInterrupt``) the process group is stopped before the exception propagates: a ``with``
         block whose ``__enter__`` raises never runs ``__exit__``.
         """
+        for _ in range(BIND_RETRIES):
+            try:
+                return self._launch(timeout)
+            except PortTaken:
+                deadline = time.monotonic() + 30
+                while not port_is_free(self.port) and time.monotonic() < deadline:
+                    time.sleep(0.5)
+        return self._launch(timeout)
+
+    def _launch(self, timeout: float) -> "CpuServer":
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.scratch_dir = tempfile.mkdtemp(prefix="sglang-")  # short: ZMQ socket paths must fit 107 bytes
         try:
@@ -243,6 +267,10 @@ class CpuServer:
             self.stop()
             raise
         return self
+
+    def _port_taken(self) -> bool:
+        """Whether the server's log says its HTTP server could not bind ``port``."""
+        return f"error while attempting to bind on address ('127.0.0.1', {self.port})" in self.log_tail(40)
 
     def log_tail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the server's log ("" without a log file)."""
@@ -266,7 +294,8 @@ class CpuServer:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, OSError):
-                pass
+                if self._port_taken():
+                    raise PortTaken(f"127.0.0.1:{self.port} was taken before SGLang bound it; see {self.log_path}")
             time.sleep(0.5)
         raise TimeoutError(f"SGLang server not healthy after {timeout:.0f}s; see {self.log_path}")
 

@@ -84,7 +84,7 @@ def _run(console, workers: int, port: int) -> int:
 
     with tempfile.TemporaryDirectory(prefix="agentcache-demo-") as tmp:
         model = make_tiny_model(Path(tmp) / "tiny-llama")
-        console.print(f"[bold]starting SGLang on CPU[/] (tiny random-weight Llama, backend agentcache) ...")
+        console.print("[bold]starting SGLang on CPU[/] (tiny random-weight Llama, backend agentcache) ...")
         t0 = time.monotonic()
         with CpuServer(str(model.path), port=port, log_path=Path(tmp) / "server.log") as server:
             console.print(f"server up in {time.monotonic() - t0:.0f}s at {server.url}")

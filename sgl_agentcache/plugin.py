@@ -22,17 +22,20 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from sgl_agentcache.server import admission, control
-    from sgl_agentcache.server.cache import register_backends
+    from sgl_agentcache.server import control
+    from sgl_agentcache.server.scheduler import admission, control_ops
+    from sgl_agentcache.server.scheduler.cache import register_backends
 
     register_backends()
     control.install()
+    control_ops.install()
     admission.install()
     if multiprocessing.parent_process() is None:
-        from sgl_agentcache.server import chat_hooks, http, ingress, topology
+        from sgl_agentcache.server import topology
+        from sgl_agentcache.server.front import chat_hooks, ingress, routes
 
         topology.install()
-        http.install()
+        routes.install()
         ingress.install()
         chat_hooks.install()
     _registered = True

@@ -23,6 +23,11 @@ __all__ = ["RouterProcess", "router_available"]
 #: leave the rotation in seconds (the router's defaults: 60 s and 3 misses).
 FAST_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshold", "2",
                "--health-check-timeout-secs", "2")
+#: Retries that outlast that detection: a request sent to a worker that just died keeps retrying (backoff
+#: 50 ms growing to 1 s, about 4.5 s in all) until the health check takes the worker out and the manual
+#: policy re-pins its key. The router's default (5 retries, about 0.7 s) ends before a loaded machine's
+#: health check has noticed, and the client sees a 500.
+PATIENT_RETRIES = ("--retry-max-retries", "10", "--retry-max-backoff-ms", "1000")
 
 
 def _env() -> dict[str, str]:
@@ -58,7 +63,7 @@ class RouterProcess:
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--worker-urls", *self.workers, "--policy", self.policy, *FAST_HEALTH,
+               "--worker-urls", *self.workers, "--policy", self.policy, *FAST_HEALTH, *PATIENT_RETRIES,
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port)]
         if self.policy == "manual":  # a new session key goes to the worker holding the fewest keys
             cmd += ["--assignment-mode", "min_group"]

@@ -1,9 +1,9 @@
 """A bounded soak against a real server: concurrent agents with forks, pauses, resumes, prefetches, closes,
-aborted streams, duplicate closes and injected transfer faults; then everything is closed and checked.
+aborted streams and duplicate closes, on SGLang's HiCache; then everything is closed and checked.
 
 ``make soak`` runs three phases, each on a fresh server (:func:`run_standalone`): the product's defaults
-(lazy pauses); eager pauses (offloads copied out, restores and prefetches copied back by worker
-threads, which once tripped SGLang's idle pool check and killed the server); and two tenants, one of
+(lazy pauses); eager pauses (offloads demoted into HiCache's host pool, prefetches loaded back through
+HiCache's load path while the scheduler idles); and two tenants, one of
 which floods the server with pausing calls and refused over-long chats while the other's agents run
 and its ``/agentcache/stats`` is timed (:func:`run_tenants`).
 
@@ -11,7 +11,7 @@ Each worker owns its sessions (no cross-worker races by construction), so every 
 expected outcome and any other outcome is an unexplained failure; the one deliberate race, a close of a
 subagent branch while its request is in flight, has two allowed outcomes for the close (see
 :meth:`Soak._close_racing_request`). At the end: every branch closed,
-zero tokens owned by closed branches, nothing terminated left resident, the host tier empty, the tree
+zero tokens owned by closed branches, nothing terminated left resident on either tier, the tree
 check passes with the scheduler idle, and the server is healthy. Loopback only; bounded in time and
 in prompt length (under the server's context length); token ids always in ``[3, vocab)``.
 """
@@ -47,9 +47,9 @@ class Soak:
     refuses (a hostile tenant). ``stats_every_s``: time ``GET /agentcache/stats`` that often meanwhile."""
 
     def __init__(self, server, vocab: int, *, workers: int = 4, seconds: float = 60.0, seed: int = 0,
-                 faults: bool = True, headers: dict | None = None, admin_headers: dict | None = None,
+                 headers: dict | None = None, admin_headers: dict | None = None,
                  flood_workers: int = 0, stats_every_s: float = 0.0):
-        self.server, self.vocab, self.workers, self.seconds, self.faults = server, vocab, workers, seconds, faults
+        self.server, self.vocab, self.workers, self.seconds = server, vocab, workers, seconds
         self.seed = seed
         self.headers = dict(headers or {})
         self.admin_headers = dict(admin_headers if admin_headers is not None else self.headers)
@@ -141,7 +141,7 @@ class Soak:
                 op = opening.pop(0)
             else:
                 op = rng.choices(["turn", "fork", "pause", "close_fork", "abort", "dup_close", "race", "abandon",
-                                  "fault", "prefetch"], weights=[5, 2, 2, 1, 1, 1, 1, 1, 1 if self.faults else 0, 1])[0]
+                                  "prefetch"], weights=[5, 2, 2, 1, 1, 1, 1, 1, 1])[0]
             if op == "turn":
                 prompt = s.history + ids(rng.randrange(20, 80))
                 out = self._gen(rng, s.name, "main", prompt)
@@ -183,8 +183,6 @@ class Soak:
                 s = None
             elif op == "race":
                 self._close_racing_request(rng, s.name, f"r{serial}-{rng.randrange(10**6)}", s.history + ids(40))
-            elif op == "fault":
-                self._post("fault", "/agentcache/fault", {"kind": rng.choice(["demote", "promote"]), "count": 1})
         if s is not None:
             self._post("session_close", "/agentcache/session/close", {"session": s.name})
         time.sleep(1.5)  # the last abandoned pauses reach their deadline first
@@ -257,23 +255,21 @@ class Soak:
             "stats_wait_s": {"n": len(waits), "p50": waits[len(waits) // 2], "max": waits[-1]} if waits else None,
             "unexpected_failures": self.unexpected, "health": health, "check_ok": check.get("ok"),
             "check_idle": check.get("idle"), "open_soak_branches": [b for b in mine if not b["closed"]],
-            "leaked_tokens": sum(b["owned_tokens"] + b.get("spilled_tokens", 0) for b in mine),
+            "leaked_tokens": sum(b["owned_tokens"] for b in mine),
             "terminated_pending_tokens": stats["terminated_pending_tokens"],
-            # Paused branches' host copies; the node spill's entries (evicted shared nodes, kept for
-            # reuse) are not a leak and are left out.
-            "host_tokens": {"before": _pause_host_tokens(before), "after": _pause_host_tokens(stats)},
+            # Ended branches' tokens in HiCache's host pool (a close deletes them there too); live
+            # shared history and stable prefixes are cache, not a leak, and are left out.
+            "host_tokens": {"before": _ended_host_tokens(before), "after": _ended_host_tokens(stats)},
             "resident_tokens": {"before": before["resident_tokens"], "after": stats["resident_tokens"]},
             "pause_decisions": stats["pauses"]["decisions"],
             "deadline_releases": stats["pauses"]["deadline_releases"] - before["pauses"]["deadline_releases"],
-            # Copies of the node spill (lazy pauses move KV there, not at the pause) that failed, this run.
-            "spill_failures": {k: stats["spill"][k] - before["spill"][k] for k in ("spill_failed", "load_failed")},
-            "fallbacks": {"offload": stats["pauses"]["offload_fallbacks"],
-                          "restore": stats["pauses"]["restore_failures"]},
+            "fallbacks": {"offload": stats["pauses"]["offload_fallbacks"]},
+            "hicache_offloaded_tokens": stats["pauses"]["hicache_offloaded_tokens"],
         }
 
 
-def _pause_host_tokens(stats: dict) -> int:
-    return stats["pauses"]["host"]["used_tokens"] - stats["spill"]["tokens"]
+def _ended_host_tokens(stats: dict) -> int:
+    return stats["hicache"].get("host_tokens_by_class", {}).get("terminated", 0)
 
 
 def passed(report: dict) -> bool:
@@ -304,10 +300,10 @@ def run_tenants(server, vocab: int, *, seconds: float, workers: int, seed: int =
     """Two tenants on one server: ``flooder`` runs agents plus a flood (pausing calls, refused chats),
     ``victim`` runs agents and times its own stats meanwhile. Both are checked once both are done."""
     admin = {"x-agentcache-key": ADMIN_KEY}
-    flooder = Soak(server, vocab, workers=max(workers // 3, 1), seconds=seconds, seed=seed * 10 + 1, faults=False,
+    flooder = Soak(server, vocab, workers=max(workers // 3, 1), seconds=seconds, seed=seed * 10 + 1,
                    headers={"x-agentcache-key": TENANT_KEYS["flooder"]}, admin_headers=admin,
                    flood_workers=max(workers, 2))
-    victim = Soak(server, vocab, workers=max(workers // 2, 1), seconds=seconds, seed=seed * 10 + 2, faults=False,
+    victim = Soak(server, vocab, workers=max(workers // 2, 1), seconds=seconds, seed=seed * 10 + 2,
                   headers={"x-agentcache-key": TENANT_KEYS["victim"]}, admin_headers=admin, stats_every_s=0.25)
     started = time.monotonic()
     before = server.request("GET", "/agentcache/stats", headers=admin)[1]
@@ -322,7 +318,7 @@ def run_tenants(server, vocab: int, *, seconds: float, workers: int, seed: int =
 
 def run_standalone(seconds: float, workers: int, out_path: str | None, seed: int = 0,
                    phases: tuple[str, ...] = ("lazy", "eager", "tenants")) -> dict:
-    """Soak a fresh CPU server per phase (tiny model, fault injection on; see the module docstring),
+    """Soak a fresh CPU server per phase (tiny model, on SGLang's HiCache; see the module docstring),
     ``seconds`` each; write the report. A phase passes with 0 server deaths and 0 leaked tokens."""
     import tempfile
     from pathlib import Path
@@ -334,17 +330,18 @@ def run_standalone(seconds: float, workers: int, out_path: str | None, seed: int
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model")
         for phase in phases:
-            env = {"AGENTCACHE_FAULT_INJECTION": "1", "AGENTCACHE_PROFILE": "seed",
-                   # A small host tier (a few branches' worth): offloads also meet a full one.
-                   "AGENTCACHE_HOST_TOKENS": "640", "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS)}
+            env = {"AGENTCACHE_PROFILE": "seed", "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS)}
             if phase == "eager":
                 env["AGENTCACHE_PAUSE_MODE"] = "eager"
             if phase == "tenants":
                 tenants_file(Path(tmp) / "tenants.toml")
                 env |= {"AGENTCACHE_TENANTS": str(Path(tmp) / "tenants.toml"), "AGENTCACHE_SECRET": "k" * 48,
                         "AGENTCACHE_INFER": "chat"}
+            # A small HiCache host pool (a few branches' worth, 1/8 of the pool): offloads also meet a full one.
             server = CpuServer(str(model.path), log_path=Path(tmp) / f"sglang-{phase}.log", max_total_tokens=4096,
-                               extra_args=("--enable-cache-report",), env=env)
+                               extra_args=("--enable-cache-report", "--enable-hierarchical-cache",
+                                           "--hicache-io-backend", "direct", "--hicache-write-policy", "write_back",
+                                           "--hicache-ratio", "0.125"), env=env)
             with server.start():
                 if phase == "tenants":
                     runs = run_tenants(server, model.vocab_size, seconds=seconds, workers=workers, seed=seed)

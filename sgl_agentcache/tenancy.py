@@ -80,7 +80,7 @@ TENANT_PATHS = ("/generate", "/encode", "/classify", "/v1/completions", "/v1/cha
                 "/v1/messages/count_tokens", "/v1/tokenize", "/tokenize", "/v1/detokenize", "/detokenize",
                 "/v1/audio/transcriptions", "/v1/realtime", "/v1/decisions", "/v1/systemone", "/invocations",
                 "/vertex_generate", "/api/chat", "/api/generate")
-AGENTCACHE_ADMIN_PATHS = ("/agentcache/admin/", "/agentcache/check", "/agentcache/deletions", "/agentcache/fault")
+AGENTCACHE_ADMIN_PATHS = ("/agentcache/admin/", "/agentcache/check", "/agentcache/deletions")
 
 
 def session_label(session: str) -> str:

@@ -62,15 +62,20 @@ TOOL_PRIORS = {"grep": {"median_s": 0.02, "sigma": 0.5}, "ci_run": {"median_s": 
 BRANCH_QUOTA_TOKENS = 512
 
 
-def _shared_server(tiny_model, tmp_path_factory, name: str, env: dict):
+#: HiCache flags of the eager server (as tests/test_agentcache_on_hicache_server.py starts it).
+EAGER_HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-write-policy",
+                 "write_back", "--hicache-ratio", "4")
+
+
+def _shared_server(tiny_model, tmp_path_factory, name: str, env: dict, extra: tuple[str, ...] = ()):
     log = tmp_path_factory.mktemp(name) / "sglang.log"
-    srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096, extra_args=("--enable-cache-report", "--enable-metrics"),
+    srv = CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=4096,
+                    extra_args=("--enable-cache-report", "--enable-metrics", *extra),
                     env={"AGENTCACHE_BRANCH_QUOTA_TOKENS": str(BRANCH_QUOTA_TOKENS),
                          # Pause decisions priced as the seed's 36 KiB/token deployment, with operator
                          # priors for two tool classes (see tests/test_pauses_server.py).
                          "AGENTCACHE_PROFILE": "seed",
                          "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
-                         "AGENTCACHE_FAULT_INJECTION": "1",
                          "AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl")} | env)
     srv.event_log = log.parent / "events.jsonl"
     return srv
@@ -78,7 +83,8 @@ def _shared_server(tiny_model, tmp_path_factory, name: str, env: dict):
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
-    """The shared server, in the product's defaults (lazy pauses, node spill on)."""
+    """The shared server, in the product's defaults (lazy pauses), device-only: no
+    ``--enable-hierarchical-cache``, so no host tier (what eviction takes is gone, as in stock SGLang)."""
     with _shared_server(tiny_model, tmp_path_factory, "server-log", {}).start() as srv:
         yield srv
 
@@ -86,10 +92,11 @@ def server(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")  # one module uses it: stop it after (an idle server busy-polls a core)
 def eager_server(tiny_model, tmp_path_factory):
     """A server whose pause decisions are carried out at once (``AGENTCACHE_PAUSE_MODE=eager``: offload
-    copies the suffix out and frees it, discard frees it, keep pins it), without the node spill, so the
-    host tier holds exactly the paused copies: where the eager mechanisms are tested."""
-    env = {"AGENTCACHE_PAUSE_MODE": "eager", "AGENTCACHE_HOST_SPILL": "0"}
-    with _shared_server(tiny_model, tmp_path_factory, "eager-server-log", env).start() as srv:
+    demotes the movable suffix into HiCache's host pool, discard frees it, keep pins it), on SGLang's
+    HiCache (write-back, a host pool of 4x the device pool) so an offload has somewhere to go: where
+    the eager mechanisms are tested."""
+    env = {"AGENTCACHE_PAUSE_MODE": "eager"}
+    with _shared_server(tiny_model, tmp_path_factory, "eager-server-log", env, EAGER_HICACHE).start() as srv:
         yield srv
 
 

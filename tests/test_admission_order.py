@@ -7,8 +7,9 @@ import pytest
 
 from sgl_agentcache.policy.admission_order import (PLAS_BASE_TOKENS, AdmissionSettings, ProgramLedger, order_keys,
                                                    over_share, plas_level)
-from sgl_agentcache.server.program_admission import settings_from_env
-from sgl_agentcache.server.request_state import state_of
+from sgl_agentcache.server.scheduler.program_admission import admission_settings
+from sgl_agentcache.settings import Settings
+from sgl_agentcache.server.scheduler.request_state import state_of
 
 
 def _order(waiting, strategy, tenant_service=None, **settings):
@@ -143,13 +144,17 @@ def test_one_namespaces_flood_forgets_only_its_own_programs():
     assert ledger.path.namespace_size("ns-flooding") <= 4 and other + ("main",) in ledger.path
 
 
+def settings_from_env(environ: dict):
+    return admission_settings(Settings.from_env(environ))
+
+
 def test_settings_are_validated_and_read_from_the_environment():
     assert settings_from_env({}) is None and settings_from_env({"AGENTCACHE_ADMISSION": "off"}) is None
     s = settings_from_env({"AGENTCACHE_ADMISSION": "Agent", "AGENTCACHE_ADMISSION_STARVATION_STEPS": "32"})
     assert (s.strategy, s.starvation_steps) == ("agent", 32)
     with pytest.raises(ValueError, match="expected off or one of"):
         settings_from_env({"AGENTCACHE_ADMISSION": "sjf"})
-    with pytest.raises(ValueError, match="starvation_steps"):
+    with pytest.raises(ValueError, match="AGENTCACHE_ADMISSION_STARVATION_STEPS='0'"):
         settings_from_env({"AGENTCACHE_ADMISSION": "plas", "AGENTCACHE_ADMISSION_STARVATION_STEPS": "0"})
     with pytest.raises(ValueError, match="tenant_slack"):
         AdmissionSettings(tenant_slack=0.5)
@@ -165,8 +170,8 @@ def test_agent_lpm_orders_each_class_by_device_match():
 
 
 def _driver(strategy: str | None):
-    from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
-    from sgl_agentcache.server.program_admission import ProgramAdmission
+    from sgl_agentcache.server.scheduler.offline import OfflineDriver, build_offline_cache
+    from sgl_agentcache.server.scheduler.program_admission import ProgramAdmission
 
     cache = build_offline_cache(pool_tokens=4096)
     cache.admission = ProgramAdmission(AdmissionSettings(strategy=strategy)) if strategy else None

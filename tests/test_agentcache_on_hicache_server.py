@@ -1,8 +1,8 @@
 """The ``agentcache`` backend on SGLang's own HiCache (issue #36 item 2), real CPU servers.
 
 ``--radix-cache-backend agentcache --enable-hierarchical-cache`` serves: HiCache's host pool and cache
-controller carry the host copies (our own host tier stays empty), and our lifecycle decides what they
-keep. Checked against a real server, under both write policies:
+controller carry every host copy (HiCache is the only host tier: without it a server has none), and our
+lifecycle decides what they keep. Checked against a real server, under both write policies:
 
 - a branch's close deletes its nodes on the device *and* in HiCache's host pool: the host pool's free
   slots come back, no node of the branch is left, and its prompt sent again gets no host hit (stock
@@ -13,12 +13,14 @@ keep. Checked against a real server, under both write policies:
   while the session's history is;
 - HiCache's host eviction follows the lifecycle: a branch paused with OFFLOAD advice keeps its host
   copy while newer sessions' copies go first (LRU would have dropped it: it is the oldest);
-- with our deleting ``file`` store (``server/l3_store.py``), a close deletes the fork's L3 pages too,
+- with our deleting ``file`` store (``server/scheduler/l3_store.py``), a close deletes the fork's L3 pages too,
   and the session's pages stay; after a restart (the tree that knew them gone) a tenant purge still
   deletes every L3 page the tenant wrote, through its purge manifest, and spares the other tenant's;
 - a tenant purge removes the tenant's nodes from HiCache's host pool too, and spares the other tenant;
 - a paused branch pushed out to host is prefetched ("the tool is nearly done") through HiCache's own
-  load path, and its next turn finds it on the device.
+  load path, and its next turn finds it on the device;
+- one pushed on out to the ``file`` L3 store (by newer paused branches) is fetched back to host by its
+  prefetch through HiCache's own storage prefetch, and its next turn hits on host instead of in storage.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ import pytest
 
 from sgl_agentcache.cpu_server import CpuServer
 from sgl_agentcache.hints import lifecycle_envelope
+from server_checks import check_when_idle
 
 pytestmark = pytest.mark.server
 
 POOL_TOKENS = 1024
 PROMPT_TOKENS = 300
+#: A request whose prefix SGLang finds in L3 waits for that prefetch to finish (SGLang's default,
+#: best_effort, takes whatever has arrived when the request is scheduled: on a loaded CI machine that
+#: can be nothing, and a test of L3 hits would see a miss).
+WAIT_FOR_L3 = ("--hicache-storage-prefetch-policy", "wait_complete")
 SCRATCH_TOKENS = 200
 
 
@@ -86,20 +93,6 @@ def _settled(srv: CpuServer, done, timeout: float = 30.0) -> dict:
         time.sleep(0.2)
 
 
-def _check(srv: CpuServer, timeout: float = 30.0) -> None:
-    """The integrity check passes, and once the scheduler is idle (its host recount ran too). A check
-    taken while a copy the last request started is still in flight (write-through backs a new insert
-    up a step or two later) is not idle: it is taken again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status, report = srv.request("GET", "/agentcache/check")
-        assert status == 200 and report["ok"], report
-        if report["idle"]:
-            return
-        assert time.monotonic() < deadline, report
-        time.sleep(0.2)
-
-
 def _logprobs(meta: dict) -> list:
     return [(lp, tok) for lp, tok, *_ in meta["output_token_logprobs"]]
 
@@ -135,7 +128,7 @@ def test_a_closed_fork_leaves_neither_the_device_nor_hicaches_host_pool(tiny_mod
         assert after["deleted"]["host_tokens"] - before["deleted"]["host_tokens"] == freed_host
         if policy == "write_back":
             assert closed["freed_tokens"] == 0 and closed["host_freed_tokens"] == freed_host
-        _check(srv)
+        check_when_idle(srv)
 
         # What the session keeps still comes back, from host under write_back, with the same bytes.
         back = _generate(srv, history, {"session": "s"})
@@ -146,7 +139,7 @@ def test_a_closed_fork_leaves_neither_the_device_nor_hicaches_host_pool(tiny_mod
         # The fork's tokens are gone from host too: sent again, only the session's history is a hit.
         again = _generate(srv, fork_prompt)
         assert sum(again["cached_tokens_details"].values()) <= PROMPT_TOKENS, again["cached_tokens_details"]
-        _check(srv)
+        check_when_idle(srv)
     assert "hicache_attached=True" in (tmp_path / "sglang.log").read_text()
 
 
@@ -171,7 +164,7 @@ def test_a_paused_branch_is_prefetched_through_hicaches_load_path(tiny_model, to
         assert _logprobs(resumed) == _logprobs(device_hit)
         status, stats = srv.request("GET", "/agentcache/stats")
         assert stats["pauses"]["prefetch"]["issued"] == 1
-        _check(srv)
+        check_when_idle(srv)
 
 
 def test_with_a_file_l3_store_a_sessions_history_comes_back_from_storage(tiny_model, tokens, tmp_path):
@@ -180,7 +173,7 @@ def test_with_a_file_l3_store_a_sessions_history_comes_back_from_storage(tiny_mo
     store = tmp_path / "l3"
     store.mkdir()
     srv = _server(tiny_model, tmp_path, "--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size",
-                  "16", SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(store))
+                  "16", *WAIT_FOR_L3, SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(store))
     stored = PROMPT_TOKENS // 16 * 16
     with srv.start():
         history = tokens.ids(PROMPT_TOKENS)
@@ -193,7 +186,46 @@ def test_with_a_file_l3_store_a_sessions_history_comes_back_from_storage(tiny_mo
         from_l3 = _generate(srv, history, {"session": "l3"})
         assert from_l3["cached_tokens_details"]["storage"] == stored, from_l3["cached_tokens_details"]
         assert _logprobs(from_l3) == _logprobs(device_hit)
-        _check(srv)
+        check_when_idle(srv)
+
+
+def test_a_prefetch_starts_a_paused_branchs_history_back_from_l3_to_host(tiny_model, tokens, tmp_path):
+    """Item 2, storage prefetch for L3: a branch pauses on a tool (OFFLOAD advice), then ten more sessions
+    pause on the same tool; the host pool (twice the device pool) holds six of them, so the oldest, ours,
+    goes on to the ``file`` store. "The tool is nearly done" starts HiCache's own storage prefetch
+    (L3 -> host) under our request handle; the next turn then hits on the device and host, not in
+    storage, with the same logprobs."""
+    import json
+
+    store = tmp_path / "l3"
+    store.mkdir()
+    srv = _server(tiny_model, tmp_path, "--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size",
+                  "16", SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(store), **PRICED,
+                  AGENTCACHE_TOOL_PRIORS=json.dumps({"ci_run": {"median_s": 60.0, "sigma": 1.5}}))
+    stored = PROMPT_TOKENS // 16 * 16
+    with srv.start():
+        history = tokens.ids(PROMPT_TOKENS)
+        _generate(srv, history, {"session": "l3"})
+        device_hit = _generate(srv, history, {"session": "l3"})
+        status, paused = srv.request("POST", "/agentcache/pause", {"session": "l3", "tool_class": "ci_run"})
+        assert status == 200 and paused["paused"] and paused["action"] == "offload", paused
+        for i in range(10):
+            _generate(srv, tokens.ids(PROMPT_TOKENS), {"session": f"other{i}"})
+            srv.request("POST", "/agentcache/pause", {"session": f"other{i}", "tool_class": "ci_run"})
+        assert _hicache(srv)["host_tokens_by_class"]["session"] < 11 * stored  # someone left the host pool
+        status, prefetched = srv.request("POST", "/agentcache/prefetch", {"session": "l3"})
+        assert status == 200 and prefetched["prefetched"], prefetched
+        assert prefetched["storage_tokens"] == stored and prefetched.get("restored_tokens", 0) == 0, prefetched
+        landed = _settled(srv, lambda st: st["storage_fetches_in_flight"] == 0)
+        assert landed["storage_fetches_in_flight"] == 0, landed
+        back = _generate(srv, history, {"session": "l3"})
+        details = back["cached_tokens_details"]
+        assert details.get("storage", 0) == 0 and details["device"] + details["host"] == stored, details
+        assert _logprobs(back) == _logprobs(device_hit)
+        status, stats = srv.request("GET", "/agentcache/stats")
+        prefetch = stats["pauses"]["prefetch"]
+        assert prefetch["storage_issued"] == 1 and prefetch["storage_tokens_loaded"] == stored, prefetch
+        check_when_idle(srv)
 
 
 def test_write_through_backs_up_no_scratch_of_a_fork_over_its_quota(tiny_model, tokens, tmp_path):
@@ -206,7 +238,7 @@ def test_write_through_backs_up_no_scratch_of_a_fork_over_its_quota(tiny_model, 
         assert stats["host_tokens_by_class"]["session"] >= PROMPT_TOKENS  # the history is backed up
         assert stats["branches"]["big"] >= SCRATCH_TOKENS  # the fork holds its scratch on the device
         assert stats["host_tokens_by_class"]["scratch"] == 0 and stats["vetoed_backup_tokens"] >= SCRATCH_TOKENS
-        _check(srv)
+        check_when_idle(srv)
 
 
 def test_host_eviction_keeps_a_branch_paused_with_offload_advice(tiny_model, tokens, tmp_path):
@@ -227,7 +259,7 @@ def test_host_eviction_keeps_a_branch_paused_with_offload_advice(tiny_model, tok
         back = _generate(srv, history, {"session": "paused"})
         assert back["cached_tokens_details"] == {"device": 0, "host": PROMPT_TOKENS - 1}, back
         assert _logprobs(back) == _logprobs(device_hit)
-        _check(srv)
+        check_when_idle(srv)
 
 
 def test_a_tenant_purge_empties_its_share_of_hicaches_host_pool(tiny_model, tokens, tmp_path):
@@ -272,7 +304,7 @@ def test_a_tenant_purge_empties_its_share_of_hicaches_host_pool(tiny_model, toke
 
 
 def test_a_close_deletes_the_forks_pages_from_the_deleting_file_store(tiny_model, tokens, tmp_path):
-    from sgl_agentcache.server.l3_store import EXTRA_CONFIG
+    from sgl_agentcache.server.scheduler.l3_store import EXTRA_CONFIG
 
     store = tmp_path / "l3"
     store.mkdir()
@@ -299,7 +331,7 @@ def test_a_close_deletes_the_forks_pages_from_the_deleting_file_store(tiny_model
         assert deleted["l3_pages_deleted"] == deleted["l3_files_removed"] == scratch_pages, deleted
         assert deleted["l3_delete_errors"] == 0
         assert pages() >= history_pages  # the session's own pages stay
-        _check(srv)
+        check_when_idle(srv)
 
 
 def test_a_tenant_purge_after_a_restart_deletes_its_l3_pages_through_the_manifest(tiny_model, tokens, tmp_path):
@@ -307,7 +339,7 @@ def test_a_tenant_purge_after_a_restart_deletes_its_l3_pages_through_the_manifes
     it: two tenants send the same prompt to a server with the deleting store; a second server on the
     same store (a restart: empty tree) purges one tenant; its pages leave the store, the other's stay
     and still come back from L3."""
-    from sgl_agentcache.server.l3_store import EXTRA_CONFIG, PurgeManifest
+    from sgl_agentcache.server.scheduler.l3_store import EXTRA_CONFIG, PurgeManifest
     from sgl_agentcache.tenancy import key_digest
 
     keys = {"acme": "ak-acme-manifest-test-0123456789", "globex": "ak-globex-manifest-test-0123456789"}
@@ -328,7 +360,7 @@ def test_a_tenant_purge_after_a_restart_deletes_its_l3_pages_through_the_manifes
                          extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
                                      "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "2",
                                      "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                                     EXTRA_CONFIG, "--page-size", "16"))
+                                     EXTRA_CONFIG, "--page-size", "16", *WAIT_FOR_L3))
 
     def call(srv, key, method, path, body=None):
         status, reply = srv.request(method, path, body, headers={"x-agentcache-key": key})
@@ -389,4 +421,4 @@ def test_an_eager_offload_demotes_the_paused_branch_into_hicaches_host_pool_at_o
         back = _generate(srv, history, {"session": "eager"})
         assert back["cached_tokens_details"] == {"device": 0, "host": PROMPT_TOKENS - 1}, back
         assert _logprobs(back) == _logprobs(device_hit)
-        _check(srv)
+        check_when_idle(srv)

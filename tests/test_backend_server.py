@@ -36,44 +36,23 @@ def test_shared_prefix_is_served_from_cache(server, tokens):
 
 def test_filling_the_pool_evicts_and_tree_stays_consistent(server, tokens):
     _, before = server.request("GET", "/agentcache/stats")
+    assert before["hicache"] == {"attached": False}  # the shared server is device-only: no host tier
     prompts = [tokens.ids(900) for _ in range(7)]  # 6300 prompt tokens > 4096-token pool
     for ids in prompts:
         _gen(server, ids)
     _, after = server.request("GET", "/agentcache/stats")
     assert after["evictable_tokens"] + after["protected_tokens"] <= 4096
-    assert after["spill"]["spilled_tokens"] > before["spill"]["spilled_tokens"]  # eviction copied to host
-    # LRU: the oldest prompt was pushed out of the device pool: what of it is served from the cache
-    # now came back from the host tier (the node spill), the newest is still resident.
-    cached = _gen(server, prompts[0])["meta_info"]["cached_tokens"]
-    _, loaded = server.request("GET", "/agentcache/stats")
-    assert cached < len(prompts[0]) // 2 or (
-        loaded["spill"]["loaded_tokens"] - after["spill"]["loaded_tokens"] >= len(prompts[0]) // 2)
+    # LRU: the oldest prompt was evicted, and with no host tier what eviction took is gone: sent
+    # again it is prefilled from scratch (a few tokens may match another test's prompt by chance);
+    # the newest is still resident.
+    oldest = _gen(server, prompts[0])["meta_info"]
+    assert oldest["cached_tokens"] < 16, oldest
     assert _gen(server, prompts[-1])["meta_info"]["cached_tokens"] >= len(prompts[-1]) - 1
     status, report = server.request("GET", "/agentcache/check")
     assert status == 200 and report["idle"], report
     assert report["ok"], report["errors"]
     assert report["available_tokens"] + report["evictable_tokens"] == report["pool_tokens"] == 4096
     assert before["impl"] == after["impl"] == "AgentRadixCache"
-
-
-def test_a_spilled_prompt_comes_back_through_the_worker_thread(server, tokens):
-    """The load-back of spilled KV is copied off the scheduler thread (server/async_load.py): issued at
-    the request's admission match, the request skipped for that step, finished and admitted at the
-    next. What the request finds cached is what the synchronous load-back would have given it."""
-    prompts = [tokens.ids(900) for _ in range(6)]  # 5400 prompt tokens > 4096-token pool
-    for ids in prompts:
-        _gen(server, ids)
-    _, before = server.request("GET", "/agentcache/stats")
-    assert before["async_loads"]["enabled"], before["async_loads"]
-    out = _gen(server, prompts[0] + tokens.ids(8))
-    _, after = server.request("GET", "/agentcache/stats")
-    loads, was = after["async_loads"], before["async_loads"]
-    loaded = after["spill"]["loaded_tokens"] - before["spill"]["loaded_tokens"]
-    assert loads["issued"] == was["issued"] + 1 and loads["finished"] == was["finished"] + 1, loads
-    assert loads["in_flight"] == 0 and loads["abandoned"] == was["abandoned"], loads
-    assert loaded > 0 and out["meta_info"]["cached_tokens"] >= loaded
-    status, report = server.request("GET", "/agentcache/check")
-    assert status == 200 and report["ok"], report["errors"]
 
 
 def test_text_prompts_and_openai_route_share_the_cache(server):

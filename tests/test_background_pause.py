@@ -17,8 +17,8 @@ import pytest
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import namespace_key
-from sgl_agentcache.server import front, ingress
-from sgl_agentcache.server.coordinator import PauseCoordinator
+from sgl_agentcache.server.front import ingress, shared
+from sgl_agentcache.server.front.coordinator import PauseCoordinator
 
 NS = namespace_key(None, None)
 KEY = (NS, "s1", "main")
@@ -46,7 +46,7 @@ class HeldScheduler:
 def held(monkeypatch):
     scheduler = HeldScheduler()
     coordinator = PauseCoordinator(send=scheduler.send, clock=lambda: 0.0)
-    monkeypatch.setattr(front, "coordinator", coordinator)
+    monkeypatch.setattr(shared, "coordinator", coordinator)
     return scheduler, coordinator
 
 
@@ -346,7 +346,7 @@ def test_a_namespaces_pending_and_paused_branches_are_bounded(held):
 def test_the_control_channel_serves_each_namespace_in_turn_and_batches_what_is_queued():
     """SGLang's communicator carries one control message at a time; the channel sends what is queued as
     one batch, taking one op from each namespace in turn, so B's op never waits behind A's queue."""
-    from sgl_agentcache.server.control_channel import ControlChannel
+    from sgl_agentcache.server.front.control_channel import ControlChannel
 
     batches: list[list[str]] = []
     gate = asyncio.Event()

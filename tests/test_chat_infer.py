@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_agentcache.chat_infer import ChatInference, ChatTurn, canonical_message, idle_seconds, infer_mode
+from sgl_agentcache.chat_infer import ChatInference, ChatTurn, canonical_message
+from sgl_agentcache.settings import Settings
 
 NS = "ns"
 SYSTEM = {"role": "system", "content": "you are a coding agent"}
@@ -193,10 +194,11 @@ def test_odd_inputs_are_handled(monkeypatch):
     inf.done(NS, "unknown", "m0", 2)  # nothing to do, no error
     monkeypatch.setenv("AGENTCACHE_INFER", "bogus")
     with pytest.raises(ValueError, match="AGENTCACHE_INFER"):
-        infer_mode()
+        Settings.from_env().infer_mode()
+    monkeypatch.setenv("AGENTCACHE_INFER", "chat")
     monkeypatch.setenv("AGENTCACHE_INFER_IDLE_S", "-1")
     with pytest.raises(ValueError, match="AGENTCACHE_INFER_IDLE_S"):
-        idle_seconds()
+        Settings.from_env()
 
 
 def test_a_parent_closes_only_after_the_branches_forked_from_it():
@@ -214,19 +216,19 @@ def test_a_parent_closes_only_after_the_branches_forked_from_it():
 def test_a_bad_setting_stops_the_scheduler_at_start_and_the_chat_pins_hold(monkeypatch):
     """The HTTP process can only log a plugin error, so the backend factory checks the settings too;
     the chat serving internals inference hooks match the installed SGLang."""
-    from sgl_agentcache.server.cache import _check_chat_inference_settings
+    from sgl_agentcache.server.scheduler.cache import _check_settings
     from sgl_agentcache.server.pins import CHAT_PINS
     from sgl_agentcache.server.pins import check_pinned_internals
 
     check_pinned_internals(CHAT_PINS)
     monkeypatch.setenv("AGENTCACHE_INFER", "chat")
-    _check_chat_inference_settings()
+    _check_settings()
     monkeypatch.setenv("AGENTCACHE_INFER_IDLE_S", "soon")
     with pytest.raises(ValueError, match="AGENTCACHE_INFER_IDLE_S"):
-        _check_chat_inference_settings()
+        _check_settings()
     monkeypatch.setenv("AGENTCACHE_INFER", "chats")
     with pytest.raises(ValueError, match="AGENTCACHE_INFER"):
-        _check_chat_inference_settings()
+        _check_settings()
 
 
 def test_one_namespaces_flood_forgets_only_its_own_conversations():

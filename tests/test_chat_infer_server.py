@@ -8,9 +8,9 @@ argument schema (an enum) in the grammar, ``--constrained-json-disable-any-white
 ``logit_bias`` against the tiny vocabulary's whitespace tokens keep the model from padding forever.
 That is xgrammar's CPU path, the same constrained decoding a GPU server runs.
 
-Two servers with the same pool and the same host tier, inference on and off, take the same client
-traffic: an agent pauses on a long tool while one-shot chats churn the pool; only with inference does
-its resume find its history.
+Two servers with the same pool and the same host tier (SGLang's HiCache, a host pool of half the
+device pool), inference on and off, take the same client traffic: an agent pauses on a long tool while
+one-shot chats churn both tiers; only with inference does its resume find its history.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["target"], "additionalProperties": False}}}]
 SYSTEM = {"role": "system", "content": ("you are a coding agent. read the file, run the tests, summarise the "
                                         "observation, then answer the user. ") * 4}
+#: SGLang's HiCache as the host tier: write-back, a host pool of half the 2048-token device pool.
+HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-write-policy", "write_back",
+           "--hicache-ratio", "0.5")
 #: Operator priors, as on the shared test server: ci_run is long-tailed (worth keeping on host).
 PRIORS = {"grep": {"median_s": 0.02, "sigma": 0.5}, "ci_run": {"median_s": 60.0, "sigma": 1.5}}
 
@@ -45,19 +48,19 @@ PRIORS = {"grep": {"median_s": 0.02, "sigma": 0.5}, "ci_run": {"median_s": 60.0,
 def _server(tiny_model, tmp_path_factory, name: str, infer: bool) -> CpuServer:
     log = tmp_path_factory.mktemp(name) / "sglang.log"
     env = {"AGENTCACHE_TOOL_PRIORS": json.dumps(PRIORS), "AGENTCACHE_PROFILE": "seed",
-           "AGENTCACHE_HOST_TOKENS": "1024", "AGENTCACHE_MAX_RETENTION_S": "90"}
+           "AGENTCACHE_MAX_RETENTION_S": "90"}
     if infer:
         env |= {"AGENTCACHE_INFER": "chat", "AGENTCACHE_INFER_IDLE_S": str(IDLE_S),
                 "AGENTCACHE_INFER_LEARN_AFTER": str(LEARN_AFTER)}
     return CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=2048, context_length=2048,
                      extra_args=("--enable-cache-report", "--tool-call-parser", "qwen25",
-                                 "--constrained-json-disable-any-whitespace"), env=env)
+                                 "--constrained-json-disable-any-whitespace", *HICACHE), env=env)
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
-    """(inferred, plain): same pool (2048 tokens), same host tier (1024 tokens); started one after the
-    other, stopped after this module (an idle server busy-polls a core)."""
+    """(inferred, plain): same pool (2048 tokens), same HiCache host pool (1024 tokens); started one
+    after the other, stopped after this module (an idle server busy-polls a core)."""
     with _server(tiny_model, tmp_path_factory, "infer-on", True).start() as on:
         with _server(tiny_model, tmp_path_factory, "infer-off", False).start() as off:
             yield on, off
@@ -180,10 +183,14 @@ def test_concurrent_sub_conversations_are_forks_and_their_scratch_is_reclaimed_a
     history = messages + [reply, _result(call_id, "three modules: cache, spill, router")]
     before = chat.stats()
     errors, scratch_seen = [], []
+    # A sub-conversation is a fork only while another of them is in flight: all four are sent at once,
+    # so a slow start of one thread (a loaded CI machine) cannot let the first finish before the rest.
+    start = threading.Barrier(4)
 
     def sub(i: int):
         try:
             conversation = history + [_user(f"review part {i}: " + "read the file, run the tests. " * 6)]
+            start.wait(timeout=60)
             chat.answer(conversation, stream=i == 0)  # one streams
             # Right away (a branch idle for IDLE_S is closed): a subagent's own tokens are its scratch.
             scratch_seen.append(chat.stats()["resident_tokens"]["scratch"])

@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey
-from sgl_agentcache.server.offline import OfflineDriver, OfflineOutOfMemory, OfflineRefused
+from sgl_agentcache.server.scheduler.offline import OfflineDriver, OfflineOutOfMemory, OfflineRefused
 
 
 def tree_signature(cache) -> list[tuple]:

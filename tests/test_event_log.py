@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from sgl_agentcache.server.event_log import EventLog
+from sgl_agentcache.server.front.event_log import EventLog
 
 
 def _emit_in_thread(log: EventLog, n: int) -> threading.Thread:

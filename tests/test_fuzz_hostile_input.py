@@ -85,12 +85,11 @@ OFFSETS = ("stable_prefix_tokens", "fork_point_tokens", "edit_from_tokens")
 HINT_FIELDS = ("session", "branch", "parent_branch", "stable_prefix_tokens", "fork_point_tokens", "close",
                "edit_from_tokens", "tool_class", "deadline_ms", "priority", "prefetch")
 BRANCH_CLOSE, SESSION_CLOSE = "/agentcache/branch/close", "/agentcache/session/close"
-PAUSE, RESUME, PREFETCH, FAULT = "/agentcache/pause", "/agentcache/resume", "/agentcache/prefetch", "/agentcache/fault"
-#: Every POST route and the body type it parses with ``hints.parse_route_body`` (``/fault`` has its own).
+PAUSE, RESUME, PREFETCH = "/agentcache/pause", "/agentcache/resume", "/agentcache/prefetch"
+#: Every POST route and the body type it parses with ``hints.parse_route_body``.
 ROUTE_KINDS = {BRANCH_CLOSE: BranchRef, SESSION_CLOSE: SessionRef, PAUSE: PauseRef, RESUME: BranchRef,
                PREFETCH: PrefetchRef}
-POST_ROUTES = [*ROUTE_KINDS, FAULT]
-FAULT_ENV = "AGENTCACHE_FAULT_INJECTION"
+POST_ROUTES = list(ROUTE_KINDS)
 
 
 # --- a raw HTTP/1.1 client: any bytes in headers and bodies, and it sees dropped connections ---------
@@ -291,7 +290,7 @@ def expect_hint(payload, n_ids: int | None, model: Model) -> Expect:
                 return Expect("4xx", ("past the end",))
     if hint.parent_branch is not None and ("|", hint.session, hint.branch) not in model.seen:
         # Admission: a *new* fork needs a parent the server has seen and that is still open (a fork that
-        # already ran keeps working after its parent closed: server/cache.py AgentRadixCache.admit).
+        # already ran keeps working after its parent closed: server/scheduler/cache.py AgentRadixCache.admit).
         parent = ("|", hint.session, hint.parent_branch)
         if parent in model.closed:
             return Expect("4xx", ("is closed",))
@@ -349,8 +348,8 @@ def expect_header(value: bytes, n_ids: int | None, model: Model) -> Expect:
     return expect_hint(msgspec.json.decode(text.encode()), n_ids, model)  # same admission rules
 
 
-def expect_route(route: str, method: str, body: bytes, model: Model, *, fault_injection: bool = False) -> Expect:
-    """A POST route's answer (README "Routes", ``server/http.py``, ``server/coordinator.py``).
+def expect_route(route: str, method: str, body: bytes, model: Model) -> Expect:
+    """A POST route's answer (README "Routes", ``server/front/routes.py``, ``server/front/coordinator.py``).
 
     Valid bodies are sent for close routes on any branch of this test, but for ``pause``, ``resume`` and
     ``prefetch`` only on branches the server never saw: pausing a live branch starts a deadline timer
@@ -359,14 +358,6 @@ def expect_route(route: str, method: str, body: bytes, model: Model, *, fault_in
     """
     if method != "POST":
         return Expect(405, ("Method Not Allowed",))
-    if route == FAULT:  # test-only: 403 whatever the body unless the server enables fault injection
-        if not fault_injection:
-            return Expect(403, ("disabled",))
-        try:
-            msgspec.json.decode(body, type=dict[str, str | int])
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
-            return Expect(400)
-        return SKIP  # a valid body would arm real transfer faults
     try:
         ref = parse_route_body(body, ROUTE_KINDS[route])
     except HintError:
@@ -768,13 +759,6 @@ def model(server, prompts, request):
     assert_server_healthy(server)
 
 
-def fault_injection_enabled(server) -> bool:
-    """Whether the shared server was started with the test-only ``/agentcache/fault`` route enabled."""
-    import os
-
-    return (os.environ | server.env).get(FAULT_ENV) == "1"
-
-
 def prefix(name: str):
     """The session-id prefix of one fuzz test (read by the ``model`` fixture)."""
 
@@ -864,7 +848,7 @@ def test_fuzz_agentcache_post_routes(server, prompts, model, case):
     The routes read the raw body and ignore ``Content-Type`` (README documents only the JSON fields), so
     a valid JSON body is acted on whatever the declared type; closing a branch the server never saw is
     a 404 that changes nothing, closing a known one is 200 (and idempotent); see ``expect_route`` for
-    the pause routes and ``/fault``.
+    the pause routes.
     """
     if ("|", f"{model.prefix}-s0", "b1") not in model.seen:  # once per test: a fork and a namespaced branch
         _seed(server, prompts, f"{model.prefix}-s0")
@@ -874,7 +858,7 @@ def test_fuzz_agentcache_post_routes(server, prompts, model, case):
                        ("fzk|", f"{model.prefix}-s1", "main")}
     seeded = [f"{model.prefix}-s0", f"{model.prefix}-s1", f"{model.prefix}-p"]
     route, method, content_type, body, field = case.draw(route_cases(model.prefix, seeded), label="request")
-    exp = expect_route(route, method, body, model, fault_injection=fault_injection_enabled(server))
+    exp = expect_route(route, method, body, model)
     assume(not exp.skip)
     headers = [(b"Content-Type", content_type)] if content_type is not None else []
     reply = check_reply(server, exp, lambda: http(server, method, route.encode(), headers=headers, body=body),
@@ -961,7 +945,7 @@ def test_invalid_only_run_changes_nothing(server, prompts):
             send = lambda: post_json(server, "/v1/completions", body, [(HINT_HEADER.encode(), value)])  # noqa: E731
         else:
             route, content_type, raw = value
-            exp = expect_route(route, "POST", raw, model, fault_injection=fault_injection_enabled(server))
+            exp = expect_route(route, "POST", raw, model)
             headers = [(b"Content-Type", content_type)] if content_type is not None else []
             send = lambda: http(server, "POST", route.encode(), headers=headers, body=raw)  # noqa: E731
         assume(exp.refused and not exp.skip)

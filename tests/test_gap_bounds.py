@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_agentcache.chat_infer import LEARN_AFTER_ENV, ChatInference, ChatTurn, learn_after_gaps
+from sgl_agentcache.chat_infer import ChatInference, ChatTurn
+from sgl_agentcache.settings import Settings
 from sgl_agentcache.policy.gap_bounds import FLOOR_S, MARGIN, MIN_GAPS, WINDOW, GapBounds
 
 NS = "ns"
@@ -49,6 +50,8 @@ def test_the_number_of_gaps_to_learn_from_is_the_operators_and_checked(monkeypat
     assert bounds.bound(NS, "tool") == max(FLOOR_S, MARGIN * 1.0)
     with pytest.raises(ValueError, match="min_gaps"):
         GapBounds(min_gaps=0)
+    LEARN_AFTER_ENV = "AGENTCACHE_INFER_LEARN_AFTER"
+    learn_after_gaps = lambda: Settings.from_env().infer_learn_after  # noqa: E731
     assert learn_after_gaps() == MIN_GAPS
     monkeypatch.setenv(LEARN_AFTER_ENV, "0")
     assert learn_after_gaps() == 0 and ChatInference(learn_after=0).learned is None

@@ -112,31 +112,3 @@ def test_resolve_profile_by_name_or_path(tmp_path):
     assert resolve_profile(str(tmp_path / "p.json")).h2d_bytes_per_s == 5e10
     with pytest.raises(ProfileError, match="unknown profile 'no-such'"):
         resolve_profile("no-such")
-
-
-SIDE_STREAMS = SCRIPT.parent / "side_stream_check.py"
-
-
-def test_the_side_stream_check_runs_its_code_paths_on_the_cpu(tmp_path):
-    """``bench/gpu/side_stream_check.py`` is the GPU check of the transfer worker's stream ordering; on
-    the CPU (``--dry-run``) it runs the same code with the worker copying in place, which must pass."""
-    proc = subprocess.run([sys.executable, str(SIDE_STREAMS), "--dry-run", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads((tmp_path / "side_stream_check.json").read_text())
-    assert report["ok"] and report["dry_run"] and report["device"] == "cpu"
-    assert report["d2h_after_queued_writes"]["stale_values"] == 0
-    assert report["h2d_after_queued_reads"]["rows_after_join_ok"]
-    pool = report["sglang_pool_copies"]  # SGLang's own get_cpu_copy/load_cpu_copy, from the installed sglang
-    assert pool["ok"] and pool["sglang_source"].endswith("memory_pool.py")
-    assert pool["stale_values_on_host"] == 0 and pool["restored_values_wrong"] == 0 and pool["segments"] == 2
-
-
-def test_the_side_stream_check_refuses_a_memory_pool_without_sglangs_methods(tmp_path):
-    """Another SGLang release's source (no ``MHATokenToKVPool.get_cpu_copy``) stops the pool check with
-    a clear error instead of checking something else."""
-    other = tmp_path / "memory_pool.py"
-    other.write_text("class MHATokenToKVPool:\n    def get_cpu_copy(self, indices):\n        return []\n")
-    proc = subprocess.run([sys.executable, str(SIDE_STREAMS), "--dry-run", "--out", str(tmp_path),
-                           "--sglang-memory-pool", str(other)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "no MHATokenToKVPool.get_cpu_copy/load_cpu_copy" in proc.stderr

@@ -23,6 +23,10 @@ from sgl_agentcache.cpu_setup import SHIMS
 
 POOL_TOKENS = 1024
 PROMPT_TOKENS = 300
+#: A request whose prefix SGLang finds in L3 waits for that prefetch to finish (SGLang's default,
+#: best_effort, takes whatever has arrived when the request is scheduled: on a loaded CI machine that
+#: was nothing, and a test of L3 hits saw a miss).
+WAIT_FOR_L3 = ("--hicache-storage-prefetch-policy", "wait_complete")
 
 
 def _shim():
@@ -165,7 +169,7 @@ def test_a_prefix_evicted_from_host_comes_back_from_file_storage_also_after_a_re
     ``file`` backend (pages of 16 tokens) still holds it, and so does a fresh server on the same directory."""
     store = tmp_path / "l3"
     store.mkdir()
-    flags = ("--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size", "16")
+    flags = ("--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size", "16", *WAIT_FOR_L3)
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)}
     stored = PROMPT_TOKENS // 16 * 16
     prompt = tokens.ids(PROMPT_TOKENS)
@@ -197,7 +201,7 @@ def test_two_tenants_sending_the_same_prompt_share_no_l3_page(tiny_model, tokens
     tenants.write_text("".join(f'[tenants.{name}]\nkeys = ["{key_digest(key)}"]\n\n' for name, key in keys.items()))
     store = tmp_path / "l3"
     store.mkdir()
-    flags = ("--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size", "16")
+    flags = ("--hicache-ratio", "2", "--hicache-storage-backend", "file", "--page-size", "16", *WAIT_FOR_L3)
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store), "AGENTCACHE_TENANTS": str(tenants),
            "AGENTCACHE_SECRET": "s" * 48}
     stored = PROMPT_TOKENS // 16 * 16

@@ -1,4 +1,4 @@
-"""The deleting L3 store (server/l3_store.py) without a server: SGLang's own ``HiCacheFile`` writes pages,
+"""The deleting L3 store (server/scheduler/l3_store.py) without a server: SGLang's own ``HiCacheFile`` writes pages,
 ``DeletingFileStorage`` deletes exactly the ones named (every pool's file, LRU bytes refunded), and the
 deleter counts what a backend without deletes leaves behind."""
 
@@ -9,7 +9,7 @@ import os
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from sgl_agentcache.server.l3_store import DeletingFileStorage, L3Deleter, PurgeManifest
+from sgl_agentcache.server.scheduler.l3_store import DeletingFileStorage, L3Deleter, PurgeManifest
 
 
 def _config() -> HiCacheStorageConfig:

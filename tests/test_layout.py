@@ -1,5 +1,7 @@
 """The package's import structure (issue #36 item 6): no import circle between its modules, counting
-imports inside functions too, and no private name (``_x``) imported from another of its files."""
+imports inside functions too; no private name (``_x``) imported from another of its files; and the
+adapter's two processes apart: ``server/front`` (the HTTP process) and ``server/scheduler`` (each
+scheduler rank) never import each other, they meet only through ``server/control``'s messages."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str
     private = []
     for mod, path in mods.items():
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[mod].update(alias.name for alias in node.names if alias.name in mods)
+                continue
             if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sgl_agentcache")):
                 continue
             if node.module in mods:
@@ -92,3 +97,13 @@ def test_the_cycle_finder_finds_one():
 def test_no_private_name_is_imported_across_files():
     _, private = _imports(_modules())
     assert private == []
+
+
+def test_the_http_front_and_the_scheduler_side_never_import_each_other():
+    graph, _ = _imports(_modules())
+    sides = ("sgl_agentcache.server.front", "sgl_agentcache.server.scheduler")
+    crossing = sorted((mod, dep) for mod, deps in graph.items() for dep in deps
+                      for here, there in (sides, sides[::-1])
+                      if mod.startswith(here) and dep.startswith(there))
+    assert crossing == []
+    assert all(any(m.startswith(side + ".") for m in graph) for side in sides)  # both sides exist

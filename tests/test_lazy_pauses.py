@@ -1,11 +1,13 @@
-"""Lazy tool pauses (the default): a decision is advice to eviction and the node spill; nothing moves
-at the pause.
+"""Lazy tool pauses (the default): a decision is advice to eviction and to HiCache's host eviction;
+nothing moves at the pause.
 
-On the real cache offline (SGLang's CPU pools): KEEP leaves the branch as it is (no pin), OFFLOAD
-protects what eviction later spills of it on the host tier, DISCARD lets it onto host only into free
-room, first to be dropped; the
-branch's next request loads back what was spilled, byte for byte; a prefetch does it earlier into
-free memory; a deadline releases every tier; nothing leaks. Token ids stay below 512.
+On the real cache offline (SGLang's CPU pools, SGLang's own HiCache attached: ``OfflineHiCache``):
+KEEP leaves the branch as it is (no pin); what eviction pushes of a paused branch into HiCache's
+host pool ranks there by the advice -- OFFLOAD (and KEEP) protected, DISCARD first to be dropped
+(``AgentRadixCache.hicache_host_key``); the branch's next request loads back what HiCache holds,
+byte for byte; a prefetch does it earlier into free memory; a deadline releases every tier; the
+decision prices the host entries an offload would displace; nothing leaks. Without HiCache there
+is no host tier: advice is all a lazy pause leaves. Token ids stay below 512.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.distributions import LogNormal, PointMass
 from sgl_agentcache.policy.pause import PauseAction
-from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+from sgl_agentcache.policy.retention import Band
+from sgl_agentcache.server.scheduler.offline import OfflineDriver, OfflineHiCache, build_offline_cache
 
 NS = namespace_key(None, None)
 
@@ -33,20 +36,22 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 class Lazy:
-    def __init__(self, pool: int = 1024, host: int = 4096):
-        self.cache = build_offline_cache(pool_tokens=pool)
-        self.cache.set_host_spill(True)
-        self.cache.pauses.host.capacity_tokens = host
+    """``host``: HiCache's host pool in tokens (None: no host tier)."""
+
+    def __init__(self, pool: int = 1024, host: int | None = 4096):
+        self.cache = build_offline_cache(pool_tokens=pool,
+                                         hicache=OfflineHiCache(host) if host is not None else None)
         assert self.cache.pauses.settings.lazy  # the default
         # Decisions priced as the seed profile's deployment (36 KiB per token), not the 8-byte test pool.
         self.cache.pauses.settings.bytes_per_token = 36 * 1024
         self.driver = OfflineDriver(self.cache)
         self.n = 0
 
-    def turn(self, prompt, session=None, branch="main", out=(7,), stamp=None):
+    def turn(self, prompt, session=None, branch="main", out=(7,), stamp=None, extra=None):
+        """One call; returns the tokens it found cached (on the device or loaded back from host)."""
         self.n += 1
-        hint = None if session is None else lifecycle_envelope({"session": session, "branch": branch},
-                                                               message_id=f"m{self.n}")
+        fields = {"session": session, "branch": branch} | (extra or {})
+        hint = None if session is None else lifecycle_envelope(fields, message_id=f"m{self.n}")
         req = self.driver.admit(f"r{self.n}", prompt, kv_hints=hint)
         cached = req.cached_tokens
         if stamp is not None:
@@ -65,105 +70,90 @@ class Lazy:
     def resident(self, session, branch="main"):
         return self.cache.tree_core.resident_owned_tokens(BranchKey(NS, session, branch))
 
+    def on_host(self, session, branch="main"):
+        """Tokens the branch holds in HiCache's host pool."""
+        key = BranchKey(NS, session, branch)
+        return sum(len(n.component_data[0].host_value) for n in self.cache.tree_core.host_holders()
+                   if n.agent.owner == key)
+
+    def host_only_bands(self, session, branch="main") -> set:
+        """HiCache's host-eviction band of each of the branch's host-only nodes."""
+        key = BranchKey(NS, session, branch)
+        return {self.cache.hicache_host_key(n, 0.0)[0] for n in self.cache.tree_core.owner_index.get(key, ())
+                if n.evicted}
+
     def assert_clean(self):
         report = self.driver.check()
         assert report.ok, report.errors
         assert self.driver.idle_free_tokens() == self.driver.pool_tokens
+        pauses = self.cache.pauses
+        assert not pauses.kept and set(pauses.advice) <= set(pauses.records)  # lazy: nothing pinned
 
 
 LONG = LogNormal(median_s=60.0, sigma=1.5)  # a long-tailed tool: worth keeping on host, not on the device
 SHORT = PointMass(0.01)
 
 
-def test_a_lazy_pause_decides_but_moves_and_pins_nothing():
-    h = Lazy()
+@pytest.mark.parametrize("host", [None, 4096], ids=["no-host", "hicache"])
+def test_a_lazy_pause_decides_but_moves_and_pins_nothing(host):
+    h = Lazy(host=host)
     prompt = ids(1, 300)
     h.turn(prompt, "a")
-    before = h.resident("a")
+    before, free = h.resident("a"), h.driver.free_tokens()
     result = h.pause("a", LONG, tool_class="ci_run")
-    assert result["lazy"] is True and result["action"] in ("keep", "offload", "discard")
-    assert h.resident("a") == before and not h.cache.pauses.host.entries and not h.cache.pauses.kept
+    assert result["lazy"] is True and result["paused"]
+    # A long-tailed tool: host memory where there is some, else nothing worth the device.
+    assert result["action"] == ("offload" if host else "discard"), result
+    assert h.resident("a") == before and h.driver.free_tokens() == free and not h.cache.pauses.kept
+    assert h.cache.pauses.advice == {BranchKey(NS, "a", "main"): PauseAction(result["action"])}
     assert h.cache.pauses.counters["decisions"][result["action"]] == 1
+    if host:
+        assert h.on_host("a") == 0 and h.cache.pauses.counters["hicache_offloaded_tokens"] == 0
+    assert h.turn(prompt + [7], "a") == 300 and not h.cache.pauses.records  # all still there; resumed
     h.assert_clean()
 
 
-def test_offload_advice_protects_the_spilled_branch_and_the_resume_loads_it_back_exactly():
+def test_offload_advice_protects_the_branch_on_host_and_the_resume_loads_it_back_exactly():
     h = Lazy(pool=1024, host=900)
     prompt = ids(2, 400)
     h.turn(prompt, "agent", stamp=0.25)
     before = h.kv_of_path(prompt)
     assert h.pause("agent", LONG, tool_class="ci_run")["action"] == "offload"
-    for k in range(4):  # other agents' one-shot sessions: fill the device, spill, churn the host tier
+    for k in range(4):  # other agents' one-shot sessions: fill the device, push to host, churn the host pool
         h.turn(ids(100 + k, 500), f"other{k}")
-    spill = h.cache.spill
-    agent = BranchKey(NS, "agent", "main")
-    assert spill.owner_tokens.get(agent, 0) > 0 and spill.protected_tokens > 0
-    assert spill.counters["dropped_tokens"]["room"] > 0  # others' entries went first
-    assert all(e.protected for e in spill.by_owner[agent])
+    core = h.cache.tree_core
+    assert h.resident("agent") == 0 and h.on_host("agent") == 400  # evicted to host, and kept there
+    assert h.host_only_bands("agent") == {Band.PROTECTED}
+    assert core.host_lost_tokens > 0  # others' host copies went first
+    assert sum(h.on_host(f"other{k}") for k in range(4)) < 4 * 500
     cached = h.turn(prompt + ids(3, 20), "agent")  # the tool returned
     assert cached >= 400
     assert all(torch.equal(a, b) for a, b in zip(h.kv_of_path(prompt), before))
-    assert agent not in h.cache.pauses.records and not spill.advice
+    agent = BranchKey(NS, "agent", "main")
+    assert agent not in h.cache.pauses.records and not h.cache.pauses.advice
     h.assert_clean()
 
 
-def _discarded(host: int) -> "Lazy":
-    """``early`` (500 tokens, ordinary) is evicted and spilled first; then ``gone`` (300 tokens,
-    advised DISCARD) is evicted."""
-    h = Lazy(pool=1024, host=host)
+def test_discard_advice_goes_first_from_hicaches_host_pool():
+    """``early`` (500 tokens, ordinary) goes to host first, then ``gone`` (300 tokens, advised DISCARD):
+    when the host pool needs room, gone's copy is dropped, although early's is older."""
+    h = Lazy(pool=1024, host=1000)
     h.turn(ids(3, 500), "early")
     h.turn(ids(4, 300), "gone")
     settings = h.cache.pauses.settings
     rate, settings.prefill_tokens_per_s = settings.prefill_tokens_per_s, 1e12  # recompute is free: DISCARD
     result = h.pause("gone", LONG, tool_class="ci_run", resume_probability=0.05)
     assert result["action"] == "discard", result
-    settings.prefill_tokens_per_s = rate  # at the real rate host copies pay again (the spill needs that)
-    for k in range(2):
-        h.turn(ids(200 + k, 500), f"other{k}")
-    return h
-
-
-def test_discard_advice_spills_only_into_free_host_room_and_goes_first():
-    gone, early = BranchKey(NS, "gone", "main"), BranchKey(NS, "early", "main")
-    full = _discarded(host=700)  # early's copy leaves 200 tokens free: gone does not displace it
-    spill = full.cache.spill
-    assert spill.counters["spill_skipped_discard"] > 0 and spill.counters["dropped_tokens"]["room"] == 0
-    assert spill.owner_tokens.get(gone, 0) == 0 and spill.owner_tokens.get(early, 0) >= 500
-    full.assert_clean()
-
-    roomy = _discarded(host=4096)  # free room: kept, but ahead of every other entry for the next drop
-    spill = roomy.cache.spill
-    held = spill.owner_tokens.get(gone, 0)
-    assert held > 0 and spill.counters["spill_skipped_discard"] == 0
-    assert next(iter(spill.lru)).state.owner == gone  # spilled after early's copy, yet first in line
-    others = {b: t for b, t in spill.owner_tokens.items() if b != gone}
-    assert spill.make_room(spill.host.free_tokens() + 1)
-    assert spill.owner_tokens.get(gone, 0) < held
-    assert {b: t for b, t in spill.owner_tokens.items() if b != gone} == others
-    roomy.assert_clean()
-
-
-def test_an_over_quota_branch_spills_only_into_free_host_room():
-    """A quota bounds fairness under pressure: with free host room an over-quota branch's evicted
-    leaves are kept there (not trimmed); with too little free room they never displace another
-    entry (``early``'s copy), they are trimmed."""
-    early = BranchKey(NS, "early", "main")
-    for host, kept in ((4096, True), (700, False)):
-        h = Lazy(pool=1024, host=host)
-        h.turn(ids(15, 500), "early")
-        h.turn(ids(14, 600), "big")  # early is evicted for it: spilled, 500 of the host's tokens
-        big = BranchKey(NS, "big", "main")
-        assert h.cache.spill.owner_tokens.get(early, 0) >= 500
-        h.cache.quotas.put(big, 16)  # now over its quota: it goes first
-        h.turn(ids(410, 500), "other0")
-        spill = h.cache.spill
-        assert h.resident("big") < 600 and spill.owner_tokens.get(early, 0) >= 500
-        if kept:
-            assert spill.owner_tokens.get(big, 0) > 0 and h.cache.quota_trimmed_tokens == 0
-        else:
-            assert spill.counters["spill_skipped_over_quota"] > 0 and h.cache.quota_trimmed_tokens > 0
-            assert spill.owner_tokens.get(big, 0) == 0 and spill.counters["dropped_tokens"]["room"] == 0
-        h.assert_clean()
+    settings.prefill_tokens_per_s = rate
+    h.turn(ids(200, 500), "other0")  # early goes to host
+    h.turn(ids(201, 500), "other1")  # then gone: 800 of the 1000 host slots
+    assert h.on_host("early") == 500 and h.on_host("gone") == 300
+    assert h.host_only_bands("gone") == {Band.TRIM} and h.host_only_bands("early") == {Band.VALUED}
+    h.turn(ids(202, 500), "other2")  # other0 needs host room: gone's copy is dropped, early's stays
+    assert h.on_host("early") == 500 and h.on_host("gone") == 0
+    assert h.cache.tree_core.host_lost_tokens == 300
+    assert h.turn(ids(3, 500) + [7], "early") == 500  # early's copy loads back whole
+    h.assert_clean()
 
 
 def test_a_deadline_releases_every_tier_and_a_prefetch_loads_back_into_free_memory():
@@ -174,19 +164,25 @@ def test_a_deadline_releases_every_tier_and_a_prefetch_loads_back_into_free_memo
     h.pause("late", LONG, tool_class="ci_run")
     h.pause("soon", LONG, tool_class="ci_run")
     for k in range(2):
-        h.turn(ids(300 + k, 500), f"other{k}")  # both branches spill
-    spill, pauses = h.cache.spill, h.cache.pauses
+        h.turn(ids(300 + k, 500), f"other{k}")  # both branches go to host
+    pauses = h.cache.pauses
     late_key, soon_key = BranchKey(NS, "late", "main"), BranchKey(NS, "soon", "main")
-    assert spill.owner_tokens.get(late_key, 0) > 0 and spill.owner_tokens.get(soon_key, 0) > 0
+    held = h.on_host("late")
+    assert held > 0 and h.on_host("soon") > 0
+    deleted = h.cache.hicache_deletes["host_tokens"]
     with h.driver.activated():
         expired = pauses.expire(late_key)
-    assert expired["expired"] and spill.owner_tokens.get(late_key, 0) == 0 and late_key not in pauses.records
+    assert expired["expired"] and h.on_host("late") == 0 and late_key not in pauses.records
+    assert h.cache.hicache_deletes["host_tokens"] - deleted == held
+    assert h.cache.tree_core.owned_tokens(late_key) == h.resident("late")  # nothing of it left on host
     h.driver.step()
     with h.driver.activated():
         h.cache.evict(EvictParams(num_tokens=1024))  # room: a prefetch only uses free memory
         pauses.settings.prefetch_budget_tokens = 1024  # the default (an eighth of the pool) is too small here
         got = pauses.prefetch_branch(soon_key)
-    assert got["prefetched"] is True and got["restored_tokens"] > 0, got
+    h.driver.idle_poll()  # the scheduler acknowledges the load at its next loop iteration
+    assert got["prefetched"] is True and got["restored_tokens"] == 300, got
+    assert h.resident("soon") == 300
     assert h.turn(soon + ids(7, 10), "soon") >= 300
     assert pauses.prefetch["used"] == 1
     h.assert_clean()
@@ -199,10 +195,10 @@ def test_a_prefetch_that_would_save_nothing_is_refused_and_counted_as_such():
     h.turn(ids(6, 300), "soon")
     h.pause("soon", LONG, tool_class="ci_run")
     for k in range(2):
-        h.turn(ids(300 + k, 500), f"other{k}")  # the paused branch spills
-    spill, pauses = h.cache.spill, h.cache.pauses
+        h.turn(ids(300 + k, 500), f"other{k}")  # the paused branch goes to host
+    pauses = h.cache.pauses
     soon_key = BranchKey(NS, "soon", "main")
-    on_host = spill.owner_tokens.get(soon_key, 0)
+    on_host = h.on_host("soon")
     assert on_host > 0
     with h.driver.activated():
         h.cache.evict(EvictParams(num_tokens=1024))  # free room: that is not what stops it
@@ -211,7 +207,23 @@ def test_a_prefetch_that_would_save_nothing_is_refused_and_counted_as_such():
         got = pauses.prefetch_branch(soon_key)
     assert got["prefetched"] is False and "saves nothing" in got["reason"], got
     assert pauses.prefetch["refused_no_gain"] == 1 and pauses.prefetch["refused_room"] == 0
-    assert spill.owner_tokens.get(soon_key, 0) == on_host and pauses.prefetch["issued"] == 0
+    assert h.on_host("soon") == on_host and pauses.prefetch["issued"] == 0 and h.resident("soon") == 0
+    h.assert_clean()
+
+
+def test_a_prefetch_without_room_in_free_memory_is_refused():
+    """A prefetch never evicts: with the device full of other (unlocked) KV it is refused for room."""
+    h = Lazy(pool=1024, host=4096)
+    h.turn(ids(6, 300), "soon")
+    h.pause("soon", LONG, tool_class="ci_run")
+    for k in range(2):
+        h.turn(ids(300 + k, 500), f"other{k}")
+    pauses = h.cache.pauses
+    pauses.settings.prefetch_budget_tokens = 1024
+    assert h.on_host("soon") > h.driver.free_tokens()
+    with h.driver.activated():
+        got = pauses.prefetch_branch(BranchKey(NS, "soon", "main"))
+    assert got["prefetched"] is False and pauses.prefetch["refused_room"] == 1 and h.resident("soon") == 0
     h.assert_clean()
 
 
@@ -224,6 +236,8 @@ def test_decisions_follow_the_tools_distribution():
     assert h.pause("fast", SHORT, tool_class="grep")["action"] == "keep"
     assert h.pause("slow", LONG, tool_class="ci_run")["action"] == "offload"
     assert {k: v for k, v in h.cache.pauses.counters["decisions"].items() if v} == {"keep": 1, "offload": 1}
+    assert h.cache.pauses.advice == {BranchKey(NS, "fast", "main"): PauseAction.KEEP,
+                                     BranchKey(NS, "slow", "main"): PauseAction.OFFLOAD}
     h.assert_clean()
 
 
@@ -233,58 +247,56 @@ def test_closing_or_forcing_a_lazily_paused_branch_drops_its_advice():
     h.turn(ids(11, 300), "forced")
     h.pause("closed", LONG, tool_class="ci_run")
     h.pause("forced", LONG, tool_class="ci_run")
-    spill = h.cache.spill
+    pauses = h.cache.pauses
     closed, forced = BranchKey(NS, "closed", "main"), BranchKey(NS, "forced", "main")
-    assert set(spill.advice) == {closed, forced}
+    assert set(pauses.advice) == {closed, forced}
     with h.driver.activated():
         h.cache.close_branch(closed)
         # A forced action (the replayer's baselines, a control op) applies at once and ends the advice.
-        h.cache.pauses.pause(forced, LONG, tool_class="ci_run", force=PauseAction.DISCARD)
-    assert not spill.advice and spill.protected_tokens == 0
+        result = h.cache.pauses.pause(forced, LONG, tool_class="ci_run", force=PauseAction.DISCARD)
+    assert result["action"] == "discard" and result["forced"] and "lazy" not in result  # applied, not advice
+    assert not pauses.advice and closed not in pauses.records
+    assert pauses.records[forced].advice is None and h.resident("forced") == 0
     h.assert_clean()
 
 
-def test_an_over_quota_leaf_is_still_spilled_when_other_branches_copies_hang_from_it():
-    """Trimming an over-quota branch must not orphan a fork's spilled (protected) scratch below it."""
+def test_a_fork_advised_offload_keeps_its_host_copy_below_its_over_quota_lead():
+    """The lead is over its quota (its nodes go first, TRIM on either tier); the fork below it is
+    advised OFFLOAD. Pressure pushes both to host: the fork's host copy stays protected, and the
+    fork resumes from host with its lead's history."""
     h = Lazy(pool=1024, host=4096)
     lead = ids(12, 300)
     h.turn(lead, "L", out=(7,))
-    fork_hint = lifecycle_envelope({"session": "L", "branch": "w", "parent_branch": "main",
-                                    "fork_point_tokens": 301}, message_id="fork")
-    req = h.driver.admit("fork", lead + [7] + ids(13, 200), kv_hints=fork_hint)
-    h.driver.extend(req, [7])
-    h.driver.finish(req)
-    worker, lead_key = BranchKey(NS, "L", "w"), BranchKey(NS, "L", "main")
+    fork = {"parent_branch": "main", "fork_point_tokens": 301}
+    h.turn(lead + [7] + ids(13, 200), "L", branch="w", extra=fork)
+    lead_key = BranchKey(NS, "L", "main")
     assert h.pause("L", LONG, branch="w", tool_class="ci_run")["action"] == "offload"
-    h.cache.quotas.put(lead_key, 16)  # the lead is over its quota: its leaves go first and are not kept
+    h.cache.quotas.put(lead_key, 16)  # the lead is over its quota: its leaves go first
     for k in range(3):
         h.turn(ids(400 + k, 500), f"other{k}")
-    spill = h.cache.spill
-    assert h.resident("L") == 0 and h.cache.quota_trimmed_tokens == 0  # spilled for the fork, not trimmed
-    assert spill.owner_tokens.get(worker, 0) >= 200 and spill.counters["dropped_tokens"]["orphaned"] == 0
-    assert h.turn(lead + [7] + ids(13, 200) + [7, 9], "L", branch="w") >= 500  # the fork resumes from host
+    assert h.resident("L") == 0 and h.resident("L", "w") == 0
+    assert h.on_host("L", "w") >= 200 and h.host_only_bands("L", "w") == {Band.PROTECTED}
+    assert h.host_only_bands("L") <= {Band.TRIM}
+    assert h.turn(lead + [7] + ids(13, 200) + [7, 9], "L", branch="w", extra=fork) >= 500  # whole, from host
     h.assert_clean()
 
 
-def test_an_over_quota_branch_advised_offload_is_spilled_low_value_and_then_not_over_quota():
-    """OFFLOAD advice does not protect what a branch spills over its quota (it stays first in line),
-    and those low-value entries do not count toward the quota: once its device KV is gone the branch
-    is no longer over quota, so its later KV is not the first to go."""
+def test_over_quota_beats_offload_advice_on_host():
+    """OFFLOAD advice does not protect what a branch holds on host over its quota: its host copies rank
+    first (TRIM); host tokens count toward the quota (``branch_tokens``)."""
     h = Lazy(pool=1024, host=4096)
     h.turn(ids(16, 600), "big")
     big = BranchKey(NS, "big", "main")
     assert h.pause("big", LONG, tool_class="ci_run")["action"] == "offload"
-    h.cache.quotas.put(big, 16)
     for k in range(2):
         h.turn(ids(420 + k, 500), f"other{k}")
-    spill = h.cache.spill
-    mine = set(spill.by_owner.get(big, ()))
-    assert mine and all(e.low_value and not e.protected for e in mine)
-    assert spill.owner_tokens[big] >= 600 and spill.charged_tokens.get(big, 0) == 0
-    assert h.resident("big") == 0 and not h.cache.over_quota(big)
-    assert next(iter(spill.lru)).state.owner == big and spill.protected_tokens == 0
-    spill.advise(big, PauseAction.OFFLOAD)  # advice given again still leaves them first in line
-    assert not any(e.protected for e in mine) and spill.protected_tokens == 0
+    assert h.resident("big") == 0 and h.on_host("big") == 600
+    assert h.cache.branch_tokens(big) == 600 and h.cache.over_quota(big)  # 600 > the 512-token session quota
+    assert h.host_only_bands("big") == {Band.TRIM}
+    h.cache.quotas.put(big, 1024)
+    assert not h.cache.over_quota(big) and h.host_only_bands("big") == {Band.PROTECTED}
+    h.cache.quotas.put(big, 16)
+    assert h.cache.over_quota(big) and h.host_only_bands("big") == {Band.TRIM}
     assert h.turn(ids(16, 600) + [7, 9], "big") >= 600  # free room kept them: the resume loads them back
     h.assert_clean()
 
@@ -302,11 +314,15 @@ def test_a_prefetch_is_judged_by_its_own_path_not_by_the_branchs_other_resident_
     assert h.pause("a", LONG, tool_class="ci_run")["action"] == "offload"
     with h.driver.activated():
         h.cache.evict(EvictParams(num_tokens=len(tail)))
-    assert h.resident("a") == len(head)
+    h.driver.step()
+    assert h.resident("a") == len(head) and h.on_host("a") == len(tail) + 1  # the tail node: [7] + tail
     with h.driver.activated():
         got = pauses.prefetch_branch(a)
-        assert got["prefetched"] and got["restored_tokens"] >= len(tail), got
+    h.driver.idle_poll()
+    assert got["prefetched"] and got["restored_tokens"] == len(tail) + 1, got
+    with h.driver.activated():
         h.cache.evict(EvictParams(num_tokens=len(tail)))  # gone again before the tool returns
+    h.driver.step()
     assert h.resident("a") >= got["restored_tokens"]  # the old, biased rule would call it used
     assert h.turn(head + [7] + tail + [7, 9], "a") >= len(head) + len(tail)  # loaded back at the resume
     assert pauses.prefetch["wasted"] == 1 and pauses.prefetch["used"] == 0
@@ -315,31 +331,29 @@ def test_a_prefetch_is_judged_by_its_own_path_not_by_the_branchs_other_resident_
 
 def test_a_pause_prices_the_host_entries_its_offload_would_displace():
     """Free host room costs nothing; a full host costs the learned reuse rate times what a host copy
-    saves, per token the copy would push out (the retention policy's value)."""
+    saves, per token the copy would push out (the retention policy's value). Without HiCache there
+    is no host room at all (and so nothing displaced, and no offload)."""
+    agent = BranchKey(NS, "agent", "main")
+    none = Lazy(pool=1024, host=None)
+    none.turn(ids(3, 300), "agent")
+    assert none.cache.pauses.inputs(agent, LONG).host_free_bytes == 0
+
     roomy = Lazy(pool=1024, host=4096)
     roomy.turn(ids(3, 300), "agent")
-    agent = BranchKey(NS, "agent", "main")
-    assert roomy.cache.pauses.inputs(agent, LONG).host_displaced_s == 0.0
+    inputs = roomy.cache.pauses.inputs(agent, LONG)
+    assert inputs.host_displaced_s == 0.0 and inputs.host_free_bytes == 4096 * 36 * 1024
 
     tight = Lazy(pool=1024, host=600)
-    for k in range(3):  # fill the host tier with other sessions' spilled history
+    for k in range(3):  # fill the host pool with other sessions' evicted history
         tight.turn(ids(100 + k, 450), f"other{k}")
     tight.turn(ids(3, 300), "agent")
-    host = tight.cache.pauses.host
-    inputs = tight.cache.pauses.inputs(agent, LONG)
-    past_free = inputs.retained_tokens - host.free_tokens()
-    assert past_free > 0 and tight.cache.spill.tokens > 0
-    model = tight.cache.retention
-    per_token = tight.cache.spill.reuse_rate() * (model.recompute_s - model.reload_s)
+    cache = tight.cache
+    free, room = cache.host_room()
+    inputs = cache.pauses.inputs(agent, LONG)
+    assert inputs.host_free_bytes == room * cache.pauses.settings.bytes_per_token
+    past_free = inputs.retained_tokens - free
+    assert past_free > 0 and cache.tree_core.host_holders()
+    model = cache.retention
+    per_token = cache.host_reuse_rate() * (model.recompute_s - model.reload_s)
     assert inputs.host_displaced_s == pytest.approx(past_free * per_token)
     tight.assert_clean()
-
-
-def test_nothing_is_spilled_when_a_host_copy_would_save_nothing():
-    h = Lazy(pool=1024, host=4096)
-    h.cache.pauses.settings.prefill_tokens_per_s = 1e12  # re-prefill is cheaper than any reload
-    for k in range(4):
-        h.turn(ids(10 + k, 450), f"s{k}")
-    spill = h.cache.spill
-    assert spill.tokens == 0 and spill.counters["spills"] == 0 and spill.counters["spill_skipped_no_gain"] > 0
-    h.assert_clean()

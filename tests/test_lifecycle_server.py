@@ -179,10 +179,8 @@ def test_runaway_branch_is_trimmed_first_and_nobody_else_pays(server, tokens):
     for _ in range(5):  # untagged floods that need most of the 4096-token pool
         assert _gen(server, tokens.ids(900), None, max_new_tokens=1)[0] == 200
     stats = _stats(server)
-    # It went first: trimmed, or (the node spill is on) copied to host only into free room.
-    spilled = sum(b["spilled_tokens"] for b in stats["branches"]
-                  if b["session"] == "runaway" and b["branch"] == "loop")
-    assert stats["quota_trimmed_tokens"] > trimmed_before or spilled > 0
+    # It went first: eviction trimmed its tokens over the quota (the shared server has no host tier).
+    assert stats["quota_trimmed_tokens"] > trimmed_before
     assert _owned(stats, "runaway").get("loop", 0) < 800
     # Nobody else paid for it: the bystander's prefix is still resident.
     assert _gen(server, bystander)[1]["meta_info"]["cached_tokens"] >= len(bystander) - 1

@@ -23,7 +23,7 @@ import pytest
 from bench_module import load_bench
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-import sgl_agentcache.server.offline as offline
+import sgl_agentcache.server.scheduler.offline as offline
 from sgl_agentcache.lifecycle import UNTAGGED_STATE
 
 FULL = ComponentType.FULL
@@ -103,10 +103,9 @@ def play_side_by_side(bench, stream, a: Side, b: Side, skipping_core) -> Counter
 
 
 def _build(stream, page_size: int, stock: bool = False):
-    # Same tree and LRU order as SGLang's walk: the node spill (re-inserts on a match) stays off.
+    # No host tier (no HiCache): the trees and LRU orders compared are the device's alone.
     return offline.build_offline_cache(pool_tokens=stream.pool_tokens, page_size=page_size,
-                                       max_reqs=stream.max_reqs, context_len=stream.context_len, stock=stock,
-                                       host_spill=False)
+                                       max_reqs=stream.max_reqs, context_len=stream.context_len, stock=stock)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -45,7 +45,7 @@ def _namespaced(lru: NamespacedLRU, key_of):
 
 
 def _quotas():  # AgentRadixCache.quotas: a branch's quota, as its own requests set it
-    from sgl_agentcache.server.offline import build_offline_cache
+    from sgl_agentcache.server.scheduler.offline import build_offline_cache
 
     cache = build_offline_cache(pool_tokens=256)
     cache.quotas.limit, cache.quotas.namespace_limit = 16, 4
@@ -102,7 +102,7 @@ def _chat_sessions():
 
 
 def _stable_cache():
-    from sgl_agentcache.server.chat_hooks import _stable_cache
+    from sgl_agentcache.server.front.chat_hooks import _stable_cache
 
     fresh = NamespacedLRU(_stable_cache.limit, _stable_cache.namespace_limit)
     _namespaced(fresh, lambda ns, i: (ns, i.to_bytes(4, "little")))
@@ -111,7 +111,7 @@ def _stable_cache():
 def _coordinator():
     """The HTTP side's per-namespace state: background pauses pending, branches paused, prefetch lead
     windows. A's pauses past its bounds are shed or refused; B's go through, B's window stays."""
-    from sgl_agentcache.server.coordinator import LEAD_WINDOW, PauseCoordinator
+    from sgl_agentcache.server.front.coordinator import LEAD_WINDOW, PauseCoordinator
 
     async def send(op, args):
         return 200, {"paused": True, "action": "offload", "tokens": 8, "prefetched": True}
@@ -145,7 +145,7 @@ def _coordinator():
 
 def _control_channel():
     """Each namespace's control ops queue in its own lane, served in turn (see test_background_pause)."""
-    from sgl_agentcache.server.control_channel import ControlChannel
+    from sgl_agentcache.server.front.control_channel import ControlChannel
 
     async def main():
         order = []
@@ -183,7 +183,7 @@ def _tombstones():
 
 
 def _pause_book_prefetch_windows():
-    from sgl_agentcache.server.offline import build_offline_cache
+    from sgl_agentcache.server.scheduler.offline import build_offline_cache
 
     pauses = build_offline_cache(pool_tokens=256).pauses
     window = pauses.settings.prefetch_window
@@ -223,9 +223,9 @@ def _gap_bounds():  # chat inference's learned wait bounds, per namespace
 #: Structure (file:attribute) -> the check that floods one namespace and finds another untouched.
 RULED = {
     "lifecycle.py:_branches": _recent_branches,  # cache.closed and cache.seen (RecentBranches)
-    "server/cache.py:closed": _recent_branches,
-    "server/cache.py:seen": _recent_branches,
-    "server/cache.py:quotas": _quotas,
+    "server/scheduler/cache.py:closed": _recent_branches,
+    "server/scheduler/cache.py:seen": _recent_branches,
+    "server/scheduler/cache.py:quotas": _quotas,
     "fork_points.py:_ends": _contexts,
     "policy/idle.py:since": _idle,
     "policy/join.py:running": _subagents,
@@ -233,17 +233,17 @@ RULED = {
     "chat_infer.py:sessions": _chat_sessions,
     "policy/gap_bounds.py:_windows": _gap_bounds,
     "chat_infer.py:fingerprints_by_namespace": _chat_sessions,
-    "server/chat_hooks.py:_stable_cache": _stable_cache,
-    "server/coordinator.py:active": _coordinator,
-    "server/coordinator.py:leads": _coordinator,
-    "server/coordinator.py:window": _coordinator,
-    "server/coordinator.py:pending_by_namespace": _coordinator,
-    "server/control_channel.py:lanes": _control_channel,
+    "server/front/chat_hooks.py:_stable_cache": _stable_cache,
+    "server/front/coordinator.py:active": _coordinator,
+    "server/front/coordinator.py:leads": _coordinator,
+    "server/front/coordinator.py:window": _coordinator,
+    "server/front/coordinator.py:pending_by_namespace": _coordinator,
+    "server/front/control_channel.py:lanes": _control_channel,
     "tenancy.py:_tombstones": _tombstones,
     "tenancy.py:_expiries": _tombstones,
     "tenancy.py:heap": _tombstones,
-    "server/pauses.py:_outcomes": _pause_book_prefetch_windows,
-    "server/pauses.py:state": _pause_book_prefetch_windows,
+    "server/scheduler/pauses.py:_outcomes": _pause_book_prefetch_windows,
+    "server/scheduler/pauses.py:state": _pause_book_prefetch_windows,
     "policy/admission_order.py:programs": _program_ledger,
     "policy/admission_order.py:path": _program_ledger,
 }
@@ -251,17 +251,14 @@ RULED = {
 #: Containers that are not per namespace, and why that is right.
 EXEMPT = {
     "namespaced_lru.py:group": "the per-namespace groups of NamespacedLRU itself",
-    "server/tree_core.py:deletions": "diagnostics ring, only with AGENTCACHE_RECORD_EVICTIONS=1; never consulted",
-    "server/pauses.py:log": "the operator's ring of recent decisions (stats only; a tenant's stats never show "
+    "server/scheduler/tree_core.py:deletions": "diagnostics ring, only with AGENTCACHE_RECORD_EVICTIONS=1; never consulted",
+    "server/scheduler/pauses.py:log": "the operator's ring of recent decisions (stats only; a tenant's stats never show "
                             "it); no decision reads it",
-    "server/spill.py:lru": "host-tier entries: bounded by the host tier's bytes, which every namespace shares by "
-                           "design and which eviction ranks by value, not by who asks; host tokens count toward "
-                           "their branch's quota",
     "sim/replay.py:lost_queue": "the replay's model of Continuum's queueing signal (no tenants' requests)",
-    "server/control_channel.py:setdefault": "a lane's queue: its entries are callers awaiting a reply (bounded "
+    "server/front/control_channel.py:setdefault": "a lane's queue: its entries are callers awaiting a reply (bounded "
                                             "by their concurrency), served in turn with the other lanes",
-    "server/coordinator.py:Counter": "pending_by_namespace (ruled above)",
-    "server/cache.py:heap": "one eviction's candidate heap, local to the call",
+    "server/front/coordinator.py:Counter": "pending_by_namespace (ruled above)",
+    "server/scheduler/cache.py:heap": "one eviction's candidate heap, local to the call",
     "server/metrics.py:counter": "Prometheus counters, labelled from fixed sets our code names",
     "server/metrics.py:events": "a Prometheus counter, labelled by the coordinator's fixed event names",
     "server/metrics.py:rejected": "a Prometheus counter, labelled by our fixed refusal reasons",

@@ -1,7 +1,7 @@
 """The real ``AgentRadixCache`` offline: SGLang's pools, allocator and request code paths, no model.
 
 Every test builds a fresh cache (cheap once SGLang is imported) through
-``sgl_agentcache.server.offline``, which goes through SGLang's own ``create_tree_cache`` and the
+``sgl_agentcache.server.scheduler.offline``, which goes through SGLang's own ``create_tree_cache`` and the
 registered ``agentcache`` factory. Token ids stay below 512. ``conftest.py`` sets
 ``SGLANG_USE_CPU_ENGINE=1`` before SGLang is imported.
 """
@@ -12,15 +12,15 @@ import pytest
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
-from sgl_agentcache.server.cache import AgentRadixCache
-from sgl_agentcache.server.offline import (
+from sgl_agentcache.server.scheduler.cache import AgentRadixCache
+from sgl_agentcache.server.scheduler.offline import (
     OfflineDriver,
     OfflineOutOfMemory,
     OfflineRefused,
     build_offline_cache,
 )
-from sgl_agentcache.server.tree_core import FULL, AgentTreeCore
-from sgl_agentcache.server.request_state import state_of
+from sgl_agentcache.server.scheduler.tree_core import FULL, AgentTreeCore
+from sgl_agentcache.server.scheduler.request_state import state_of
 
 
 def ids(start: int, n: int) -> list[int]:
@@ -68,7 +68,7 @@ def test_second_request_reuses_shared_prefix():
 
 
 def test_filling_the_pool_evicts_and_conserves_slots():
-    driver = OfflineDriver(build_offline_cache(pool_tokens=512, host_spill=False))  # stock-like eviction
+    driver = OfflineDriver(build_offline_cache(pool_tokens=512))  # untagged traffic: stock LRU eviction
     prompts = [[(7 + 83 * i + j) % 512 for j in range(200)] for i in range(6)]
     inserted = 0
     for i, prompt in enumerate(prompts):
@@ -248,7 +248,7 @@ def test_a_fork_without_a_fork_point_charges_the_parents_history_it_recomputes_t
 def test_a_closed_parent_leaves_no_fork_point_and_its_refused_fork_changes_no_counter():
     """Found by the hint fuzzer: a closed branch's late call (its tokens born terminated) recorded a
     context, so a refused fork of it counted an inferred fork point."""
-    from sgl_agentcache.server.offline import OfflineRefused
+    from sgl_agentcache.server.scheduler.offline import OfflineRefused
 
     driver = OfflineDriver(pool_tokens=4096)
     cache = driver.cache
@@ -396,16 +396,13 @@ def _slots(value) -> list | None:
 
 def test_quotas_bound_fairness_not_a_branchs_context():
     """A fork may hold more than its quota while memory is free (nothing is clipped); under pressure
-    its nodes go first -- before another branch's scratch within quota and before untagged KV -- and
-    go to host only into free room, first in line to be dropped from there (an over-quota branch
-    cannot crowd the host tier either; test_lazy_pauses covers a full host tier)."""
+    its nodes go first -- before another branch's scratch within quota and before untagged KV (no host
+    tier here; on HiCache an over-quota branch's host copies rank first too, test_offline_hicache)."""
     from sgl_agentcache.hints import lifecycle_envelope
 
     driver = OfflineDriver(pool_tokens=1024)
     cache = driver.cache
-    cache.set_host_spill(True)
-    cache.pauses.host.capacity_tokens = 4096
-    assert cache.branch_quota_tokens == 256
+    assert cache.branch_quota_tokens == 256 and cache.host_room() == (0, 0)
 
     def run(rid, prompt, hint=None):
         req = driver.admit(rid, prompt, kv_hints=lifecycle_envelope(hint, message_id=rid) if hint else None)
@@ -421,13 +418,13 @@ def test_quotas_bound_fairness_not_a_branchs_context():
         history = history + ids(100 + 120 * k, 120)
         run(f"big{k}", history, fork)
     big = BranchKey(namespace_key(None, None), "s", "big")
-    assert cache.tree_core.owned_tokens(big) >= 360 and cache.over_quota(big)  # free memory: all kept
+    owned = cache.tree_core.owned_tokens(big)
+    assert owned >= 360 and cache.over_quota(big)  # free memory: all kept
     small = {"session": "s", "branch": "small", "parent_branch": "main", "fork_point_tokens": 40}
     run("small", ids(0, 40) + ids(480, 30), small)
     run("flood", ids(0, 512)[::-1] + ids(0, 100), None)  # untagged, needs most of the pool
-    spilled = cache.spill.owner_tokens.get(big, 0)
-    assert spilled > 0 and cache.quota_trimmed_tokens == 0  # evicted, into free host room
-    assert next(iter(cache.spill.lru)).state.owner == big  # and the first entry to go from there
+    assert cache.quota_trimmed_tokens > 0  # the over-quota fork's nodes went first
+    assert cache.tree_core.owned_tokens(big) < owned
     assert cache.tree_core.owned_tokens(BranchKey(big.namespace, "s", "small")) >= 30  # within quota: kept
     assert run("small-again", ids(0, 40) + ids(480, 30) + [7], small) >= 70  # its scratch survived
     assert_idle_ok(driver)
@@ -440,7 +437,7 @@ def test_unsupported_deployments_are_refused_by_the_backend_factory_too(pp_size,
     before anything is built. HiCache is not refused any more (issue #36: the lifecycle runs on it)."""
     from types import SimpleNamespace
 
-    from sgl_agentcache.server.cache import agentcache_factory
+    from sgl_agentcache.server.scheduler.cache import agentcache_factory
     from sgl_agentcache.server.topology import UnsupportedTopology, refusal
 
     reason = refusal("agentcache", 1, 1, 1, False, pp_size=pp_size)
@@ -451,3 +448,85 @@ def test_unsupported_deployments_are_refused_by_the_backend_factory_too(pp_size,
                               params=SimpleNamespace(pp_size=pp_size))
         with pytest.raises(UnsupportedTopology, match=needle.replace("-", r"\-")):
             agentcache_factory(ctx)
+
+
+# ---- siblings' shared tokens become the lead's history (adoption) ----
+
+
+def _run(driver: OfflineDriver, rid: str, prompt: list[int], out=(1,), hint: dict | None = None) -> int:
+    """One call (hinted when ``hint``); returns the tokens it found cached."""
+    req = driver.admit(rid, prompt, kv_hints=lifecycle_envelope(hint, message_id=rid) if hint else None)
+    cached = req.cached_tokens
+    driver.extend(req, list(out))
+    driver.finish(req)
+    return cached
+
+
+LEAD = {"session": "s", "branch": "main"}
+
+
+def _fork(name: str, fork_point: int) -> dict:
+    return {"session": "s", "branch": name, "parent_branch": "main", "fork_point_tokens": fork_point}
+
+
+def test_tokens_forks_share_past_their_fork_point_become_the_leads_history():
+    """What the harness appended to the lead's context before forking (past the fork point, in every
+    fork's prompt and in the lead's next one) is created by whichever fork runs first; the next fork
+    that reuses it hands it to the lead, so it survives the forks' closes and the lead's next turn hits."""
+    driver = OfflineDriver(build_offline_cache(pool_tokens=400, max_reqs=8))
+    cache = driver.cache
+    lead_ctx, shared = ids(10, 100), ids(120, 16)
+    _run(driver, "lead0", lead_ctx, out=(), hint=LEAD)
+    _run(driver, "w1", lead_ctx + shared + ids(200, 20), hint=_fork("w1", 100))
+    lead = BranchKey(namespace_key(None, None), "s", "main")
+    w1 = lead._replace(branch="w1")
+    owned_before = cache.tree_core.owned_tokens(lead)
+    _run(driver, "w2", lead_ctx + shared + ids(250, 20), hint=_fork("w2", 100))
+    assert cache.adopted_tokens == 16 and cache.tree_core.owned_tokens(lead) == owned_before + 16
+    with driver.activated():
+        cache.close_branch(w1)
+        cache.close_branch(w1._replace(branch="w2"))
+    assert cache.tree_core.owned_tokens(w1) == 0
+    assert _run(driver, "lead1", lead_ctx + shared + ids(300, 20), hint=LEAD) == 116
+    assert_idle_ok(driver)
+
+
+def test_forks_prefilled_together_hand_what_they_share_to_the_lead_at_their_insert():
+    """Siblings forked at once are admitted before any of them is inserted (one prefill batch): none
+    matches another's tokens, so the shared tokens are created by the first insert and only *matched*
+    by the second; that insert hands them to the lead, and the lead's next turn hits them after both
+    forks closed."""
+    driver = OfflineDriver(build_offline_cache(pool_tokens=400, max_reqs=8))
+    cache = driver.cache
+    lead_ctx, shared = ids(10, 100), ids(120, 16)
+    _run(driver, "lead0", lead_ctx, out=(), hint=LEAD)
+    lead = BranchKey(namespace_key(None, None), "s", "main")
+    owned_before = cache.tree_core.owned_tokens(lead)
+    forks = [driver.admit(name, lead_ctx + shared + ids(start, 20),
+                          kv_hints=lifecycle_envelope(_fork(name, 100), message_id=name))
+             for name, start in (("w1", 200), ("w2", 250))]
+    assert [req.cached_tokens for req in forks] == [100, 100]  # neither saw the other's tokens
+    for req in forks:
+        driver.extend(req, [1])
+        driver.finish(req)
+    assert cache.adopted_tokens == 16 and cache.tree_core.owned_tokens(lead) == owned_before + 16
+    with driver.activated():
+        for name in ("w1", "w2"):
+            cache.close_branch(lead._replace(branch=name))
+    assert cache.tree_core.owned_tokens(lead._replace(branch="w1")) == 0
+    assert _run(driver, "lead1", lead_ctx + shared + ids(300, 20), hint=LEAD) == 116
+    assert_idle_ok(driver)
+
+
+def test_adoption_takes_only_other_branches_scratch_of_the_same_session():
+    driver = OfflineDriver(build_offline_cache(pool_tokens=400, max_reqs=8))
+    cache = driver.cache
+    lead_ctx, shared = ids(10, 100), ids(120, 16)
+    _run(driver, "lead0", lead_ctx, out=(), hint=LEAD)
+    _run(driver, "w1", lead_ctx + shared + ids(200, 20), hint=_fork("w1", 100))
+    _run(driver, "w1b", lead_ctx + shared + ids(200, 30), hint=_fork("w1", 100))  # its own scratch: kept
+    other = {"session": "t", "branch": "main"}
+    _run(driver, "other", lead_ctx + shared + ids(260, 20), hint=other)  # another session: not its history
+    _run(driver, "plain", lead_ctx + shared + ids(290, 20))  # untagged traffic adopts nothing
+    assert cache.adopted_tokens == 0
+    assert_idle_ok(driver)

@@ -30,7 +30,7 @@ from sgl_agentcache.plugin import register
 load_plugins(); register(); register()
 from sglang.srt.mem_cache.registry import get_radix_cache_factory
 from sglang.srt.mem_cache.unified_cache.tree_core_registry import get_tree_core_factory
-from sgl_agentcache.server.cache import agentcache_factory, agent_tree_core_factory
+from sgl_agentcache.server.scheduler.cache import agentcache_factory, agent_tree_core_factory
 assert get_radix_cache_factory('agentcache') is agentcache_factory
 assert get_tree_core_factory('agentcache') is agent_tree_core_factory
 print('ok')

@@ -124,15 +124,16 @@ def test_c_runaway_branch_is_trimmed_first(mode_server, tiny_model):
     victim = agents.ids(700)
     agents.call(victim, session="victim")  # another agent's session, paused on a tool
     agents.call(agents.ids(40), session="runner")
+    ours = mode.startswith("agentcache")
+    trimmed = server.request("GET", "/agentcache/stats")[1]["quota_trimmed_tokens"] if ours else 0
     for _ in range(8):  # one branch floods the cache with 8 x 400 tokens of its own state
         agents.call(agents.ids(400), session="runner", branch="loop", parent="main", max_new_tokens=8)
     kept = agents.call(victim + agents.ids(20), session="victim")
     _record("c: runaway branch", mode, kept, len(victim))
     if mode.startswith("agentcache"):
         _, stats = server.request("GET", "/agentcache/stats")
-        # The runaway went first (a fairness bound, not a cap): trimmed, or spilled into free host room.
-        runaway = sum(b.get("spilled_tokens", 0) for b in stats["branches"] if b["branch"] == "loop")
-        assert stats["quota_trimmed_tokens"] + runaway > 0
+        # The runaway went first (a fairness bound, not a cap): eviction trimmed it past its quota.
+        assert stats["quota_trimmed_tokens"] > trimmed
         assert kept >= len(victim)
     else:
         assert kept < len(victim) // 2

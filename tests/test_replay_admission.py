@@ -30,7 +30,7 @@ def runs(branch_heavy):
     trace, pool = branch_heavy
     return {(policy, strategy): replay(trace, policy, pool_tokens=pool, host_tokens=pool, profile=SEED,
                                        vocab_size=VOCAB, admission=strategy, timeline=False)
-            for policy in ("hicache", "agentcache") for strategy in STRATEGIES}
+            for policy in ("sglang-hicache", "agentcache") for strategy in STRATEGIES}
 
 
 def test_every_strategy_serves_every_call_and_leaks_nothing(branch_heavy, runs):
@@ -46,7 +46,7 @@ def test_the_order_decides_who_waits(runs):
     """The strategies are not one order under six names: on this contended trace their calls start at
     different times."""
     starts = {key: {rid: call.start_s for rid, call in r.calls.items()} for key, r in runs.items()}
-    for policy in ("hicache", "agentcache"):
+    for policy in ("sglang-hicache", "agentcache"):
         distinct = {tuple(sorted(starts[(policy, s)].items())) for s in STRATEGIES}
         assert len(distinct) >= 4, policy
 
@@ -93,7 +93,7 @@ def test_no_strategy_reads_the_traces_structure_ahead(branch_heavy, runs, strate
                for r in trace.records if not (r.t > cut and (isinstance(r, Event) or r.t > cut + 30.0))]
     changed = msgspec.structs.replace(trace, records=records)
     monkeypatch.setattr(_token_book(changed, VOCAB), "output", _token_book(trace, VOCAB).output)
-    for policy in ("hicache", "agentcache"):
+    for policy in ("sglang-hicache", "agentcache"):
         base = runs[(policy, strategy)]
         other = replay(changed, policy, pool_tokens=pool, host_tokens=pool, profile=SEED, vocab_size=VOCAB,
                        admission=strategy, timeline=False)

@@ -54,7 +54,7 @@ def _order(result) -> tuple[dict, dict]:
     return admitted, finished
 
 
-@pytest.mark.parametrize("policy", ["stock", "hicache", "agentcache", "agentcache-inferred"])
+@pytest.mark.parametrize("policy", ["stock", "sglang-hicache", "agentcache", "agentcache-inferred"])
 def test_subagents_run_after_their_fork_and_the_lead_resumes_after_them(policy):
     result = replay(_fan_out_trace(), policy, pool_tokens=4096, host_tokens=4096, profile=PROFILES["seed"],
                     vocab_size=REPLAY_VOCAB, timeline=False)

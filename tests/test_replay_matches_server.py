@@ -5,8 +5,9 @@ long-tailed class, a forked subagent that closes, a session close -- runs agains
 server with a constrained KV pool, one request at a time. The same script, with the server's actual
 output tokens, then drives the offline cache the replayer uses (same pool size, quotas and pause
 settings as the server reports). Both must agree on every decision: cached tokens per request, the
-pause decisions and the tokens they moved, the exact sequence of node deletions (evictions,
-reclaims, offloads) and the final resident tokens per class.
+pause decisions and the tokens they concern, the exact sequence of node deletions (evictions and
+reclaims) and the final resident tokens per class. Neither has a host tier (no HiCache), so no pause
+is an offload and what eviction takes is gone.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _script(vocab: int) -> list[tuple]:
     ids = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
     system = ids(STABLE)
     steps = []
-    for s in range(8):  # about 2,700 tokens through a 1,536-token pool: evictions and spills
+    for s in range(8):  # about 2,700 tokens through a 1,536-token pool: evictions
         session = f"m{s}"
         steps.append(("gen", session, "main", None, [system, ids(230)], False))
         steps.append(("pause", session, "main", "ci_run" if s % 2 else "grep"))
@@ -88,7 +89,7 @@ def _run_server(server, steps):
 
 
 def _run_offline(record, stats, monkeypatch):
-    from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+    from sgl_agentcache.server.scheduler.offline import OfflineDriver, build_offline_cache
 
     monkeypatch.setenv("AGENTCACHE_RECORD_EVICTIONS", "1")
     cache = build_offline_cache(pool_tokens=stats["pool_tokens"], page_size=stats["page_size"], max_reqs=8,
@@ -145,9 +146,11 @@ def test_replayer_cache_takes_the_servers_decisions(tiny_model, tmp_path, monkey
     server_seen = [("gen", e[4]) if e[0] == "gen" else ("pause", e[4], e[5]) if e[0] == "pause" else ("close_session",)
                    for e in record]
     assert seen == server_seen
-    assert {"offload", "keep"} <= {e[1] for e in seen if e[0] == "pause"}  # both decisions were exercised
+    decisions = {e[1] for e in seen if e[0] == "pause"}
+    assert {"keep", "discard"} <= decisions, decisions  # both decisions were exercised
+    assert "offload" not in decisions  # no host tier: an offload has nowhere to go
     offline_deletions = [list(d) for d in cache.tree_core.deletions]
-    assert len(server_deletions) > 10  # the pool was under pressure: evictions, reclaims and offloads
+    assert len(server_deletions) > 10  # the pool was under pressure: evictions and reclaims
     assert offline_deletions == server_deletions
     with driver.activated():
         offline = cache.agent_stats()

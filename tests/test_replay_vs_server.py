@@ -32,8 +32,8 @@ def test_quick_run_compares_every_call(tmp_path):
     assert all(c["server_ttft_s"] > 0 and c["replay_ttft_s"] > 0 for c in result["calls"])
     assert any(c["resume"] for c in result["calls"])
     assert result["jct_s"]["server"] > 0 and result["jct_s"]["replay"] > 0
-    # The replay's write-back emulation against SGLang's real HiCache on the same trace.
-    h = result["hicache_emulation"]
+    # SGLang's HiCache driven offline (the replay's sglang-hicache) against the real server, same trace.
+    h = result["hicache_offline"]
     assert h["calls_compared"] == result["calls_in_trace"]
     assert h["computed_tokens"]["server"] > 0 and h["computed_tokens"]["replay"] > 0
     assert h["computed_ratio_replay_over_server"] == round(h["computed_tokens"]["replay"]

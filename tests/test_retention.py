@@ -22,14 +22,14 @@ from sgl_agentcache.policy.retention import (
 B = BranchKey("|", "s", "b")
 #: The seed profile's shape: 4k tokens/s prefill, 64 KiB per token, 25 GB/s host->device.
 MODEL = RetentionModel(prefill_tokens_per_s=4000.0, h2d_bytes_per_s=25e9, bytes_per_token=65536)
-VALUES = MODEL.device_values(spills=True)
+VALUES = MODEL.device_values()  # as the cache ranks its device leaves
 
 
 def rank(state, session_ref=0, last=0.0, **flags):
     return device_rank(VALUES, state, session_ref, last, **flags)
 
 
-def test_device_order_is_leaving_ended_trim_scratch_session_stable_pinned_then_refs_then_recency():
+def test_device_order_is_ended_trim_scratch_session_stable_pinned_then_refs_then_recency():
     nodes = {
         "stable_old": rank(NodeState(NodeClass.STABLE), 0, 1.0),
         "session_ref": rank(NodeState(NodeClass.SESSION, B), 2, 0.5),
@@ -42,11 +42,11 @@ def test_device_order_is_leaving_ended_trim_scratch_session_stable_pinned_then_r
         "dead_scratch": rank(NodeState(NodeClass.SCRATCH, B, terminated=True), 0, 50.0),
         "over_quota_session": rank(NodeState(NodeClass.SESSION, B), 0, 0.0, over_quota=True),
         "pinned_scratch": rank(NodeState(NodeClass.SCRATCH, B), 0, 0.0, kept=True),
-        "leaving_stable": rank(NodeState(NodeClass.STABLE, B), 3, 99.0, leaving=True),  # an offload copies it
     }
     assert sorted(nodes, key=nodes.get) == [
-        "leaving_stable", "dead_scratch", "dead_stable", "over_quota_session", "untagged_mid", "scratch_new",
+        "dead_scratch", "dead_stable", "over_quota_session", "untagged_mid", "scratch_new",
         "scratch_ref", "session_old", "session_new", "session_ref", "stable_old", "pinned_scratch"]
+    assert [b.name for b in sorted(Band)] == ["ENDED", "TRIM", "VALUED", "PROTECTED", "PINNED"]
 
 
 @given(st.lists(st.floats(allow_nan=False), min_size=2, max_size=20))
@@ -54,13 +54,16 @@ def test_untagged_traffic_keeps_stock_lru_order(times):
     assert sorted(times, key=lambda t: rank(UNTAGGED_STATE, 0, t)) == sorted(times)
 
 
-def test_an_anchor_is_worth_a_stable_prefix_even_when_its_branch_ended_and_a_pin_stays_a_pin():
-    stable = rank(NodeState(NodeClass.STABLE), 0, 5.0)
-    assert rank(NodeState(NodeClass.SCRATCH, B, terminated=True), 0, 5.0, anchor=True) == stable
-    assert rank(NodeState(NodeClass.SCRATCH, B), 0, 5.0, anchor=True, over_quota=True) == stable
-    pinned = rank(NodeState(NodeClass.SESSION, B), 0, 5.0, kept=True)
-    assert rank(NodeState(NodeClass.SESSION, B), 0, 5.0, kept=True, anchor=True) == pinned
-    assert pinned[0] is Band.PINNED
+def test_ended_beats_a_pin_and_a_pin_beats_the_quota():
+    """A terminated node is ENDED whatever else holds (kept, over quota); a pinned (applied KEEP)
+    branch within the quota is PINNED; a live branch over its quota is TRIM even when kept (the
+    caps bound pins, the quota bounds what a branch holds under pressure)."""
+    assert rank(NodeState(NodeClass.STABLE, B, terminated=True), 0, 5.0, kept=True, over_quota=True)[0] is Band.ENDED
+    assert rank(NodeState(NodeClass.SESSION, B), 0, 5.0, kept=True)[0] is Band.PINNED
+    assert rank(NodeState(NodeClass.SESSION, B), 0, 5.0, kept=True, over_quota=True)[0] is Band.TRIM
+    valued = rank(NodeState(NodeClass.SESSION, B), 0, 5.0)
+    assert valued[0] is Band.VALUED and valued[1] == pytest.approx(VALUES[NodeClass.SESSION])
+    assert rank(NodeState(NodeClass.SESSION, B), 0, 5.0, over_quota=True)[1] == 0.0  # no value outside VALUED
 
 
 def test_value_per_token_is_reuse_times_the_cost_a_loss_would_add():
@@ -70,13 +73,13 @@ def test_value_per_token_is_reuse_times_the_cost_a_loss_would_add():
     assert MODEL.device_value(NodeClass.SESSION) == pytest.approx(p * recompute)  # lost: re-prefill
     assert MODEL.device_value(NodeClass.SESSION, spills=True) == pytest.approx(p * reload)  # lost: reload
     assert MODEL.host_value() == pytest.approx(MODEL.host_reuse * (recompute - reload))
-    assert MODEL.device_value(NodeClass.SCRATCH, anchor=True) == MODEL.device_value(NodeClass.STABLE)
+    assert MODEL.device_values() == {cls: MODEL.device_value(cls) for cls in NodeClass}
 
 
 def test_a_host_copy_that_saves_nothing_is_worth_nothing_and_never_prefetched():
     slow_link = RetentionModel(prefill_tokens_per_s=1e6, h2d_bytes_per_s=1e9, bytes_per_token=65536)
     assert not slow_link.host_copies_pay() and slow_link.host_value() == 0.0
-    # with spilling on, a device unit is still worth its re-prefill: the spill will not run
+    # priced as kept on host when evicted (spills), a device unit is still worth its re-prefill: no copy is made
     assert slow_link.device_value(NodeClass.SESSION, spills=True) == slow_link.device_value(NodeClass.SESSION)
     assert displaced_host_seconds(slow_link, 10_000, 0) == 0.0
     assert not prefetch_worthwhile(slow_link, 100, 10_000)

@@ -25,6 +25,10 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 PAGE = 16
 HISTORY = 256  # tokens of each session's first prompt: 16 full pages
+#: A request whose prefix SGLang finds in L3 waits for that prefetch to finish (SGLang's default,
+#: best_effort, takes whatever has arrived when the request is scheduled: on a loaded CI machine that
+#: can be nothing, and a test of L3 hits would see a miss).
+WAIT_FOR_L3 = ("--hicache-storage-prefetch-policy", "wait_complete")
 
 
 FAILOVER = load_bench("l3_failover")  # its helpers serve the test too
@@ -46,7 +50,7 @@ def test_a_killed_workers_sessions_continue_from_the_shared_l3_store(tiny_model,
                          env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)},
                          extra_args=("--enable-cache-report", "--enable-hierarchical-cache", "--hicache-io-backend",
                                      "direct", "--hicache-write-policy", "write_through", "--hicache-ratio", "2",
-                                     "--hicache-storage-backend", "file", "--page-size", str(PAGE)))
+                                     "--hicache-storage-backend", "file", "--page-size", str(PAGE), *WAIT_FOR_L3))
                for i in range(2)]
     router = RouterProcess([w.url for w in workers], log_path=tmp_path / "router.log")
     rng = random.Random(7)

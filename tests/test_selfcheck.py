@@ -30,9 +30,9 @@ def test_missing_internal_fails_loudly():
 
 
 @pytest.mark.parametrize("ours,theirs", [
-    ("sgl_agentcache.server.tree_core:AgentTreeCore",
+    ("sgl_agentcache.server.scheduler.tree_core:AgentTreeCore",
      "sglang.srt.mem_cache.unified_cache.unified_tree_core:UnifiedTreeCore"),
-    ("sgl_agentcache.server.cache:AgentRadixCache", "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"),
+    ("sgl_agentcache.server.scheduler.cache:AgentRadixCache", "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"),
 ])
 def test_every_override_is_pinned(ours, theirs):
     """Each SGLang method we override is in the pin table, so a signature change fails at start-up."""
@@ -49,7 +49,7 @@ def test_backend_factory_refuses_to_build_on_changed_sglang(monkeypatch):
     """The check runs inside the factory (scheduler start-up), before any tree is built."""
     from sglang.srt.mem_cache import registry
 
-    from sgl_agentcache.server.cache import agentcache_factory
+    from sgl_agentcache.server.scheduler.cache import agentcache_factory
 
     def create_unified_radix_cache(ctx, *, cache_class=None, extra=None):
         raise AssertionError("must not be reached")

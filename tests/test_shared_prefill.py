@@ -1,6 +1,6 @@
 """Sessions that start together share their stable prefix instead of each prefilling it.
 
-The scheduler's hook on ``PrefillAdder.add_one_req`` (server/admission.py) holds a hinted request back
+The scheduler's hook on ``PrefillAdder.add_one_req`` (server/scheduler/admission.py) holds a hinted request back
 a step when a request admitted in the same step computes the stable prefix it declared and lacks; at
 its next match the prefix is in the tree and it hits it. On the real cache offline (SGLang's CPU pools);
 the adder is a stand-in holding SGLang's own ``can_run_list`` of real requests, because only its list
@@ -14,9 +14,8 @@ import random
 from sglang.srt.managers.schedule_policy import AddReqResult
 
 from sgl_agentcache.hints import lifecycle_envelope
-from sgl_agentcache.server.admission import MIN_SHARED_PREFILL_TOKENS, around_add_one_req
-from sgl_agentcache.server.async_load import MAX_WAIT_STEPS
-from sgl_agentcache.server.offline import OfflineDriver, build_offline_cache
+from sgl_agentcache.server.scheduler.admission import MAX_WAIT_STEPS, MIN_SHARED_PREFILL_TOKENS, around_add_one_req
+from sgl_agentcache.server.scheduler.offline import OfflineDriver, build_offline_cache
 
 
 def ids(seed: int, n: int) -> list[int]:

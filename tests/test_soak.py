@@ -15,7 +15,6 @@ def test_soak_leaves_nothing_behind(server, tiny_model):
     assert report["health"] == 200 and report["check_ok"]
     assert report["open_soak_branches"] == [] and report["leaked_tokens"] == 0
     assert report["terminated_pending_tokens"] == 0
-    assert set(report["spill_failures"]) == {"spill_failed", "load_failed"}  # counted, not raised
     assert report["host_tokens"]["after"] <= report["host_tokens"]["before"]  # other tests' pauses may remain
     calls = report["calls"]
     assert calls["generate"] > 10 and calls["session_close"] >= 3
@@ -23,8 +22,8 @@ def test_soak_leaves_nothing_behind(server, tiny_model):
 
 
 def test_eager_soak_with_prefetches_leaves_nothing_behind(eager_server, tiny_model):
-    """Eager pauses: offloads copied out and restores and prefetches copied back by worker threads, the
-    copies in flight while the scheduler idles (issue #38 item 1 killed the server there)."""
+    """Eager pauses: offloads demoted into HiCache's host pool and prefetches loaded back through its load
+    path, copies in flight while the scheduler idles (issue #38 item 1 killed the server there)."""
     from sgl_agentcache.soak import passed
 
     report = Soak(eager_server, tiny_model.vocab_size, workers=3, seconds=20, seed=8).run()

@@ -222,7 +222,7 @@ def test_routes_are_denied_unless_classified(tenancy, path, kind):
 
 @pytest.fixture
 def bound(tenancy, monkeypatch):
-    from sgl_agentcache.server import auth
+    from sgl_agentcache.server.front import auth
 
     monkeypatch.setattr(auth, "tenancy", tenancy)
     monkeypatch.setattr(auth, "trust", auth.Trust())
@@ -267,7 +267,7 @@ def test_binding_refuses_credentials_and_changes_nothing(bound, tenancy):
 
 def test_the_tenant_key_header_wins_over_sglangs_bearer():
     """With SGLang's own --api-key the bearer carries SGLang's key; the tenant key rides beside it."""
-    from sgl_agentcache.server.auth import _presented_key
+    from sgl_agentcache.server.front.auth import _presented_key
 
     both = [(b"authorization", b"Bearer sglang-server-key"), (b"x-agentcache-key", b"tenant-key")]
     assert _presented_key(both) == "tenant-key"
@@ -298,7 +298,7 @@ def test_logs_show_a_credential_by_its_id_only(tenancy):
 
 
 def test_audit_records_keep_a_bounded_piece_of_client_text(tmp_path):
-    from sgl_agentcache.server import auth
+    from sgl_agentcache.server.front import auth
 
     trust = auth.Trust(str(tmp_path / "audit.jsonl"))
     trust.reject("no_key", tenant=None, path="/" + "p" * 10_000, message="m" * 10_000)
@@ -374,7 +374,7 @@ def test_a_connection_is_recognised_as_this_processs_own_and_no_other():
     import subprocess
     import sys
 
-    from sgl_agentcache.server.auth import from_this_process
+    from sgl_agentcache.server.front.auth import from_this_process
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         server = listener.getsockname()[:2]

@@ -45,7 +45,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -55,7 +54,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.lifecycle import BranchKey, NodeClass
-from sgl_agentcache.server.offline import (
+from sgl_agentcache.server.scheduler.offline import (
     OfflineDriver,
     OfflineOutOfMemory,
     OfflineRefused,
@@ -190,10 +189,9 @@ class TreeMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        # The lifecycle contract of the tree alone: the node spill (which re-inserts evicted nodes on a
-        # later match) has its own tests (test_spill.py).
-        self.cache = build_offline_cache(pool_tokens=POOL_TOKENS, page_size=self.PAGE_SIZE, max_reqs=MAX_REQS,
-                                         host_spill=False)
+        # The lifecycle contract of the tree alone (no host tier: HiCache's has its own tests,
+        # test_offline_hicache.py).
+        self.cache = build_offline_cache(pool_tokens=POOL_TOKENS, page_size=self.PAGE_SIZE, max_reqs=MAX_REQS)
         self.driver = OfflineDriver(self.cache)
         self.core = self.cache.tree_core
         self.resurrected: set = set()  # keys excused by KNOWN_BUG_LATE_FORK_REVIVES_CLOSED_PARENT
@@ -703,9 +701,6 @@ def test_late_fork_insert_revives_closed_parent():
 def test_evict_exposes_terminated_parent_until_next_tick():
     driver = OfflineDriver(pool_tokens=1024, page_size=1, max_reqs=8)
     cache = driver.cache
-    # Without the node spill: with it, the evicted child goes to host hanging from the terminated
-    # parent, which then stays as its context (tests/test_spill.py).
-    cache.set_host_spill(False)
     shared, tail = list(range(10, 20)), list(range(30, 35))
     req = driver.admit("main", shared, kv_hints=lifecycle_envelope({"session": "s"}, message_id="a"))
     driver.finish(req)

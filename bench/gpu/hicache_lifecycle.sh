@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-bench/gpu/results}"
 PY="${PYTHON:-python}"
-BACKENDS="hicache-wb-lpm,agentcache-hicache-lpm"
+BACKENDS="hicache-wb-lpm,agentcache-lpm"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible')"
 "$PY" -c "import sglang, sgl_kernel; assert sglang.__version__ == '0.5.23', sglang.__version__"
 if [[ "${QUICK:-0}" == "1" ]]; then

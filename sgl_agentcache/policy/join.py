@@ -2,7 +2,7 @@
 
 A lead that paused while ``N`` subagents (forks of its branch) run cannot resume before every one of
 them has ended. With ``C`` a subagent's lifetime (from its first call to its close; learned per
-namespace like a tool class, see ``server/coordinator.py``) and ``e_i`` how long subagent ``i`` has run
+namespace like a tool class, see ``server/front/coordinator.py``) and ``e_i`` how long subagent ``i`` has run
 so far, the lead's wait is ``R = max_i (C_i - e_i | C_i > e_i)``, the ``C_i`` independent::
 
     P(R <= t) = prod_i P(C - e_i <= t | C > e_i)

@@ -2,11 +2,11 @@
 eviction, host eviction, pause decisions and prefetch (pure: plain data in, numbers and sort keys out;
 no SGLang, no torch, no clock).
 
-A *unit* is a radix node on the device or a spilled entry on host. Keeping it is worth what losing it
+A *unit* is a radix node on the device or in HiCache's host pool. Keeping it is worth what losing it
 would cost if it is used again, per token held::
 
     value per token = p_reuse * saved_s
-    device: saved_s = reload_s when its eviction spills it to host, else recompute_s
+    device: saved_s = recompute_s     (reload_s when its eviction keeps it on host: ``spills``)
     host:   saved_s = recompute_s - reload_s       (<= 0: a host copy saves nothing, so none is made)
     recompute_s = 1 / prefill_tokens_per_s,   reload_s = bytes_per_token / h2d_bytes_per_s
 
@@ -15,7 +15,7 @@ where the question is how much to free (room for n tokens comes from the lowest-
 and in what an offload would displace (:func:`displaced_host_seconds`).
 
 ``p_reuse`` is a prior per lifecycle class on the device (stable > session > scratch = untagged:
-nothing declared a future for untagged traffic) and one rate on host, learned from the host tier's own
+nothing declared a future for untagged traffic) and one rate on host, learned from HiCache's own
 outcomes (:func:`learned_rate`: tokens loaded back against tokens dropped for room). Why no finer
 estimate: in prototype runs on the replay suite (tight pool, host = 1x pool, 10 seeds; not kept), a
 device rank by learned per-class reuse rates recomputed 0.998x the priors' tokens on the real Claude
@@ -27,22 +27,17 @@ advice sets a paused branch's band.
 
 Hard rules come first, as *bands* (a band always beats value)::
 
-    LEAVING < ENDED < TRIM < VALUED < PROTECTED < PINNED
+    ENDED < TRIM < VALUED < PROTECTED < PINNED
 
-- ``LEAVING``: device nodes an offload is copying to host; they are freed when the copy lands, so
-  eviction takes them before anything (exactly what a synchronous offload would already have freed).
 - ``ENDED``: the owning branch ended; reclaimable now.
-- ``TRIM``: a live branch over its quota (device), or an entry spilled while over quota or advised
-  DISCARD (host): a quota bounds fairness under pressure, it does not cap a branch while memory is
+- ``TRIM``: a live branch over its quota (either tier), or a host entry of a branch advised DISCARD: a quota bounds fairness under pressure, it does not cap a branch while memory is
   free, so such units may fill free room but are the first trimmed.
-- ``VALUED``: everything else, by value per token. An *anchor* (the device node a host copy hangs
-  from) is worth at least a stable prefix: without it the copy cannot be restored.
-- ``PROTECTED``: host entries of a branch paused with OFFLOAD advice (the pause policy judged them
-  worth the host memory for its expected wait).
+- ``VALUED``: everything else, by value per token.
+- ``PROTECTED``: host entries of a branch paused with OFFLOAD or KEEP advice (the pause policy judged
+  them worth the host memory for its expected wait).
 - ``PINNED``: device nodes of a branch paused with an applied KEEP (bounded by the pause caps).
 
-Within equal band and value, recency decides (SGLang's logical access counter on the device, spill
-order on host), so traffic without hints is ranked exactly as stock SGLang ranks it. No input is a
+Within equal band and value, recency decides (SGLang's logical access counter, on either tier), so traffic without hints is ranked exactly as stock SGLang ranks it. No input is a
 wall clock: every tensor-parallel rank computes the same ranks from the same tree.
 """
 
@@ -61,7 +56,6 @@ __all__ = ["Band", "DEFAULT_DEVICE_REUSE", "RetentionModel", "device_band", "dev
 class Band(IntEnum):
     """Hard-rule bands, lowest evicted first (see the module docstring)."""
 
-    LEAVING = -1
     ENDED = 0
     TRIM = 1
     VALUED = 2
@@ -123,11 +117,10 @@ class RetentionModel:
         """A host copy saves something when used: spilling and offloading are worth doing at all."""
         return self.host_saving_s > 0.0
 
-    def device_value(self, cls: NodeClass, *, anchor: bool = False, spills: bool = False) -> float:
-        """Expected seconds saved per token by keeping a VALUED device unit of class ``cls``."""
+    def device_value(self, cls: NodeClass, *, spills: bool = False) -> float:
+        """Expected seconds saved per token by keeping a VALUED device unit of class ``cls`` (``spills``:
+        what eviction takes is kept on host, so losing it costs a reload, not a recompute)."""
         p = self.device_reuse[cls]
-        if anchor:
-            p = max(p, self.device_reuse[NodeClass.STABLE])
         return p * (self.reload_s if spills and self.host_copies_pay() else self.recompute_s)
 
     def device_values(self, *, spills: bool = False) -> dict[NodeClass, float]:
@@ -148,23 +141,19 @@ def device_band(state: NodeState, *, kept: bool = False, over_quota: bool = Fals
 
 
 def device_rank(values: Mapping[NodeClass, float], state: NodeState, session_ref: int, last_access,
-                kept: bool = False, anchor: bool = False, over_quota: bool = False, leaving: bool = False) -> tuple:
+                kept: bool = False, over_quota: bool = False) -> tuple:
     """Eviction sort key of a device leaf; the smallest goes first. ``values`` is
     :meth:`RetentionModel.device_values`; ``last_access`` is SGLang's configured priority (its logical
-    LRU counter by default). Band, then value per token (an anchor at least a stable prefix's, even
-    when its own branch ended: a closed sibling created the prefix the copy shares), then SGLang's
-    session-radix references (unreferenced before referenced, fewer before more; all 0 without
-    ``--enable-session-radix-cache``), then recency. ``leaving``: an offload is copying the node to
-    host and frees it when the copy lands: it goes first (:attr:`Band.LEAVING`)."""
-    band = Band.LEAVING if leaving else device_band(state, kept=kept, over_quota=over_quota)
+    LRU counter by default). Band, then value per token, then SGLang's session-radix references
+    (unreferenced before referenced, fewer before more; all 0 without ``--enable-session-radix-cache``),
+    then recency."""
+    band = device_band(state, kept=kept, over_quota=over_quota)
     value = values[state.cls] if band is Band.VALUED else 0.0
-    if anchor and band <= Band.VALUED:  # a pinned anchor stays pinned
-        band, value = Band.VALUED, max(value, values[NodeClass.STABLE])
     return (band, value, session_ref > 0, session_ref, last_access)
 
 
 def host_band(*, low_value: bool, protected: bool) -> Band:
-    """Band of a spilled host entry (a low-value entry is never protected)."""
+    """Band of a host entry (a low-value entry is never protected)."""
     return Band.TRIM if low_value else Band.PROTECTED if protected else Band.VALUED
 
 

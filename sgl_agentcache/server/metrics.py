@@ -29,7 +29,6 @@ def metrics_enabled() -> bool:
         return False
 
 
-STARVATION_ENV = "AGENTCACHE_STARVATION_S"  # a request waiting longer than this counts as starved (30 s)
 PRIORITY_CLASSES = ("high", "normal", "low", "default")
 
 
@@ -42,11 +41,11 @@ def priority_class(value, low_first: bool = False) -> str:
     return "high" if ours > 0 else "low" if ours < 0 else "normal"
 
 
-def queue_by_priority(scheduler, now: float | None = None) -> dict[str, dict]:
+def queue_by_priority(scheduler, threshold: float, now: float | None = None) -> dict[str, dict]:
     """The scheduler's waiting queue per priority class: requests, the oldest wait, and how many wait
-    longer than ``AGENTCACHE_STARVATION_S``. Observability only: nothing decides on it."""
+    longer than ``threshold`` seconds (``AGENTCACHE_STARVATION_S``). Observability only: nothing decides
+    on it."""
     low_first = bool(getattr(scheduler, "schedule_low_priority_values_first", False))
-    threshold = float(os.environ.get(STARVATION_ENV, 30))
     now = time.perf_counter() if now is None else now  # SGLang stamps queue entry with perf_counter
     out = {c: {"waiting": 0, "oldest_wait_s": 0.0, "starved": 0} for c in PRIORITY_CLASSES}
     for req in list(getattr(scheduler, "waiting_queue", ()) or ()):
@@ -105,13 +104,13 @@ class SchedulerMetrics:
         self.prefetch = counter("prefetch", "Prefetch outcomes", ("outcome",))
         self.deadline = counter("deadline_releases", "Pauses released at their deadline (every tier)")
         self.quota = counter("quota_trims", "Tokens of over-quota branches eviction took first", ("kind",))
-        self.faults = counter("transfer_fallbacks", "Offloads/restores that fell back to recompute", ("reason",))
+        self.faults = counter("transfer_fallbacks", "Offloads that fell back to a discard", ("reason",))
         self.reclaimed = counter("reclaimed_tokens", "Tokens freed because their branch ended")
         self.waiting = gauge("waiting_requests", "Requests waiting for admission, by priority class",
                              ("priority_class",))
         self.queue_age = gauge("queue_age_seconds", "Oldest wait in the admission queue, by priority class",
                                ("priority_class",))
-        self.starved = gauge("starved_requests", f"Requests waiting longer than {STARVATION_ENV}, by priority class",
+        self.starved = gauge("starved_requests", "Requests waiting longer than AGENTCACHE_STARVATION_S, by priority class",
                              ("priority_class",))
         self.paused_tokens = gauge("paused_tokens", "Tokens of paused branches by priority class and placement "
                                    "(where eviction pressure lands)", ("priority_class", "placement"))
@@ -132,10 +131,12 @@ class SchedulerMetrics:
         self.publish(cache)
 
     def publish(self, cache) -> None:
-        pauses, host = cache.pauses, cache.pauses.host
+        pauses = cache.pauses
         for cls, tokens in cache.resident_tokens_by_class().items():
             self.resident.labels(self.rank, cls, "device").set(tokens)
-        self.resident.labels(self.rank, "paused", "host").set(host.used_tokens)
+        hicache = cache.hicache_stats()
+        for cls, tokens in hicache.get("host_tokens_by_class", {}).items():  # HiCache's host pool, when attached
+            self.resident.labels(self.rank, cls, "host").set(tokens)
         allocator = cache.token_to_kv_pool_allocator
         headroom = (allocator.available_size() + 0.5 * cache.evictable_size()) / max(allocator.size, 1)
         self.pressure.labels(self.rank).set(1.0 - min(headroom, 1.0))
@@ -147,8 +148,8 @@ class SchedulerMetrics:
         for action, n in pauses.counters["decisions"].items():
             self._inc(self.decisions, (action,), n)
         bpt = pauses.settings.bytes_per_token
-        self._inc(self.moved, ("device_to_host",), host.demotes.tokens * bpt)
-        self._inc(self.moved, ("host_to_device",), host.promotes.tokens * bpt)
+        # HiCache's load-backs (what a match or a prefetch brought back from its host pool).
+        self._inc(self.moved, ("host_to_device",), cache.tree_core.host_loaded_tokens * bpt)
         for outcome in ("issued", "used", "wasted", "refused_budget", "refused_room", "refused_no_gain", "refused_queue",
                         "refused_disabled"):
             self._inc(self.prefetch, (outcome,), pauses.prefetch[outcome])
@@ -156,11 +157,9 @@ class SchedulerMetrics:
         self._inc(self.quota, ("trimmed_tokens",), cache.quota_trimmed_tokens)
         for reason, n in pauses.counters["offload_fallbacks"].items():
             self._inc(self.faults, (f"offload_{reason}",), n)
-        for reason, n in pauses.counters["restore_failures"].items():
-            self._inc(self.faults, (f"restore_{reason}",), n)
         self._inc(self.reclaimed, (), cache.freed_on_close_tokens)
         if cache.scheduler is not None:
-            for cls, q in queue_by_priority(cache.scheduler).items():
+            for cls, q in queue_by_priority(cache.scheduler, cache.settings.starvation_s).items():
                 self.waiting.labels(self.rank, cls).set(q["waiting"])
                 self.queue_age.labels(self.rank, cls).set(q["oldest_wait_s"])
                 self.starved.labels(self.rank, cls).set(q["starved"])

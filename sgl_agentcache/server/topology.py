@@ -7,10 +7,9 @@
 - **Several tokenizer workers** (``--tokenizer-worker-num`` > 1): the pause coordinator (clocks, learned
   tool latencies, deadlines, the event log) and the tenancy state (the middleware, retired sessions, the
   audit log) live in one HTTP process; the other workers would serve without them.
-- **Pipeline parallelism** (``--pp-size`` > 1): every rank must agree on the outcome of each host<->device
-  copy before acting on it (``server/agreement.py``); that agreement covers the TP ranks of the first
-  pipeline stage, whose verdict the later stages follow, so a copy failing on a later stage would go
-  unnoticed there.
+- **Pipeline parallelism** (``--pp-size`` > 1): every rank keeps its own tree, and control messages
+  (closes, pauses, purges) must reach every stage's scheduler in the same order; that is built and
+  checked for tensor-parallel ranks only, never across pipeline stages.
 
 Checked by a BEFORE hook on ``Engine._launch_subprocesses``, which both ``sglang serve`` and an
 in-process ``sglang.Engine`` go through before any process starts (PP again in the backend factory, for a
@@ -48,9 +47,9 @@ def refusal(radix_cache_backend: str | None, dp_size: int, attn_dp_size: int, to
                 "workers would serve without them. Use --tokenizer-worker-num 1.")
     if ours and pp_size > 1:
         return (f"sgl_agentcache: --radix-cache-backend {BACKEND_NAME} does not support pipeline parallelism "
-                f"(--pp-size {pp_size}): every rank agrees on each host<->device copy before acting on it, "
-                "and that agreement covers the tensor-parallel ranks of one pipeline stage only. Use "
-                "--tp-size instead.")
+                f"(--pp-size {pp_size}): every rank keeps its own tree and must apply the same control "
+                "messages (closes, pauses, purges) in the same order, which is built and checked for "
+                "tensor-parallel ranks only, not across pipeline stages. Use --tp-size instead.")
     return None
 
 

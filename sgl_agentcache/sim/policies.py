@@ -10,24 +10,19 @@ ratio), our ``AgentRadixCache`` for the rest. They differ in
 - ``hints``: whether lifecycle hints (stable prefix, fork point, close) and closes reach the cache
   (the others get session/branch ownership only, which their pause rules need to find a paused
   branch's KV); ``quotas`` are ours;
-- ``spill``: the node spill (HiCache write-back: evicted nodes to host, loaded back on a match) on the
-  host budget;
 - ``pause_rule``: what happens when a call ends in a tool call (:class:`PauseOrder`), from what the
   system may know (:class:`PauseView`). Only a ``clairvoyant`` system is also handed the trace's
   future (:class:`Future`): the replayer passes None to every other, so they cannot read it.
 
 Mechanisms (``docs/anchors.md``; formulas checked against the papers and their public code):
 
-- B1 ``hicache``: SGLang HiCache's write-back on the same host budget, LRU on both tiers, as our own host
-  tier emulates it (exclusive: an entry leaves host when it loads back). Out of the default suites since
-  SGLang's own HiCache runs offline (``sglang-hicache``); kept for the replay-against-server check.
 - B1* ``sglang-hicache`` / ``sglang-hicache-wt``: SGLang's own HiCache, its code (``UnifiedRadixCache`` with
-  ``init_hicache``: host pool, cache controller, ``direct`` io) driven offline (``server/offline.py``), the
+  ``init_hicache``: host pool, cache controller, ``direct`` io) driven offline (``server/scheduler/offline.py``), the
   host pool sized to the same host budget; write-back and write-through.
 - B2 ``infercept``: InferCept's min-waste rule with pipelined, budgeted swap (paper §4), on SGLang's own
   HiCache write-back (evicted nodes go to the same host pool: without it InferCept, built on a vLLM with no
   host cache, recomputed 1.4-4x stock's tokens wherever a host tier was given -- a strawman); a swap
-  demotes the paused branch's suffix into HiCache's host pool (``server/hicache_moves.py``): a pause is
+  demotes the paused branch's suffix into HiCache's host pool (``server/scheduler/hicache_moves.py``): a pause is
   swapped (offloaded) while the swap budget -- what the host link moves while the GPU computes --
   has room, else preserved or discarded, whichever wastes less memory-time (preserve: expected
   remaining interception x tokens; discard with chunked recompute: ``C (C/2 + C_other) / prefill
@@ -54,10 +49,6 @@ Mechanisms (``docs/anchors.md``; formulas checked against the papers and their p
   own HiCache write-back (``--enable-hierarchical-cache``), as we recommend deploying it: our lifecycle
   decides what HiCache's host pool holds and deletes (``AgentRadixCache.init_hicache``), pauses are advice
   over HiCache's moves, a prefetch uses HiCache's load path.
-- ``agentcache-own-tier``: ours on the host tier the package carried before (the node spill into our own
-  host store, exclusive, its own transfer threads). Kept for one more comparison while it is retired
-  (issue #36): at the same host bytes it ties or loses to ours on HiCache in the replay suite and on the
-  38 real sessions.
 - ours, inferred (``agentcache-inferred``, on HiCache too): the same cache with no client hint at all: sessions,
   branches, forks, stable prefixes and tool pauses inferred from the calls as ``AGENTCACHE_INFER=chat``
   infers them from chat requests (``sim/inferred.py``): idle closes that keep the KV cached, edits
@@ -140,7 +131,6 @@ class ReplayPolicy:
     ranking: type | None = None  # a class of sim.rankings (None: the lifecycle rank)
     hints: bool = False  # full lifecycle hints and closes
     quotas: bool = False
-    spill: bool = False  # node spill on the host budget
     clairvoyant: bool = False  # reads the trace's future
     pause_rule: Callable[[], PauseRule] | None = None  # a factory: one rule (with its state) per run
     steps: bool = False  # KVFlow's step graph drives ranking and prefetch
@@ -256,7 +246,6 @@ class ClairvoyantRule:
 
 POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
     ReplayPolicy("stock", "B0 SGLang LRU (no host tier)", stock=True),
-    ReplayPolicy("hicache", "B1 LRU + HiCache write-back", ranking=LruRanking, spill=True),
     ReplayPolicy("sglang-hicache", "B1* SGLang's own HiCache, write-back (its code, offline)", stock=True,
                  hicache="write_back"),
     ReplayPolicy("sglang-hicache-wt", "B1* SGLang's own HiCache, write-through (its code, offline)", stock=True,
@@ -272,8 +261,6 @@ POLICIES: dict[str, ReplayPolicy] = {p.name: p for p in (
     ReplayPolicy("session-radix", "B5 SGLang session-radix (no host tier)", stock=True, session_radix=True),
     ReplayPolicy("agentcache", "ours: lifecycle + pause policy on SGLang's HiCache (write-back; its host pool)",
                  hints=True, quotas=True, pause_rule=OursRule, hicache="write_back"),
-    ReplayPolicy("agentcache-own-tier", "ours on our own host tier (being retired: issue #36)", hints=True,
-                 quotas=True, spill=True, pause_rule=OursRule),
     ReplayPolicy("agentcache-inferred", "ours, inferred hints (AGENTCACHE_INFER=chat; no client hints)",
                  hints=True, quotas=True, pause_rule=OursRule, infer=True, hicache="write_back"),
     ReplayPolicy("agentcache-inferred-v1", "ours, inferred as first shipped (idle closes free; edits are forks)",

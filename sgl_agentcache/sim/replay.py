@@ -1,11 +1,12 @@
 """Replay an agent trace through the real cache code under a cost model.
 
-The cache is the real one the server runs -- :class:`~sgl_agentcache.server.cache.AgentRadixCache`, or
+The cache is the real one the server runs -- :class:`~sgl_agentcache.server.scheduler.cache.AgentRadixCache`, or
 SGLang's own ``UnifiedRadixCache`` for the stock baselines -- built offline on SGLang's CPU pools and
-driven through the scheduler's own calls (:mod:`sgl_agentcache.server.offline`); tool pauses go through
-the same ``PauseBook``, host tier and node spill the server uses, so offloads, spills and restores
-really copy (tiny) KV tensors. Every system gets the same device pool and the same host tier
-(``host_tokens``; stock SGLang, which has no host tier, runs with none and is the reference). The replayer owns only time: a discrete-event loop over the trace's records, where a request
+driven through the scheduler's own calls (:mod:`sgl_agentcache.server.scheduler.offline`); tool pauses go through
+the same ``PauseBook`` the server uses, and the host tier is SGLang's own HiCache (host pool, cache
+controller, ``direct`` io), so backups, offloads and load-backs really copy (tiny) KV tensors. Every
+system gets the same device pool and the same host tier (``host_tokens``; stock SGLang without HiCache
+runs with none and is the reference). The replayer owns only time: a discrete-event loop over the trace's records, where a request
 is admitted when KV slots can be found (else it waits, FIFO), holds its slots for
 ``restore + prefill(uncached) + decode(output)`` seconds of modelled service, then finishes. When a
 call ends in a tool call, the policy (:mod:`sgl_agentcache.sim.policies`) decides what happens to the
@@ -53,6 +54,7 @@ from sgl_agentcache.policy.join import Subagents
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.policy.admission_order import AdmissionSettings
 from sgl_agentcache.policy.profiles import Profile
+from sgl_agentcache.server.scheduler.branch_walks import movable_suffix
 from sgl_agentcache.sim.admission import ReplayAdmission
 from sgl_agentcache.sim.causality import cross_branch_prerequisites
 from sgl_agentcache.sim.inferred import ReplayInference
@@ -282,7 +284,7 @@ class _Run:
     def __init__(self, trace: Trace, policy: ReplayPolicy, pool_tokens: int, host_tokens: int, profile: Profile,
                  vocab_size: int, max_live: int, future: TraceFuture | None, timeline: bool,
                  admission: AdmissionSettings | None = None):
-        from sgl_agentcache.server.offline import OfflineDriver, OfflineHiCache, build_offline_cache
+        from sgl_agentcache.server.scheduler.offline import OfflineDriver, OfflineHiCache, build_offline_cache
 
         self.trace, self.policy, self.profile, self.max_live = trace, policy, profile, max_live
         host_tokens = 0 if policy.reference else host_tokens  # stock SGLang has no host tier
@@ -291,10 +293,6 @@ class _Run:
         self.cache = build_offline_cache(pool_tokens=pool_tokens, max_reqs=max_live, context_len=longest,
                                          stock=policy.stock, enable_session_radix_cache=policy.session_radix,
                                          hicache=hicache)
-        # Copies made ahead change when a copy runs, never what the tree does (server/copy_ahead.py), and
-        # the replay has no clock: its worker thread would only slow the replay down.
-        if not policy.stock:
-            self.cache.copy_ahead.enabled = False
         self.driver = OfflineDriver(self.cache)
         self.agent = not policy.stock
         self.ranking = None
@@ -308,9 +306,6 @@ class _Run:
             s.bytes_per_token = profile.kv_bytes_per_token
             s.h2d_bytes_per_s, s.d2h_bytes_per_s = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
             s.prefill_tokens_per_s = profile.prefill_tokens_per_s
-            if hicache is None:  # on HiCache its host pool is the host tier (AgentRadixCache.init_hicache)
-                cache.pauses.host.capacity_tokens = host_tokens
-                cache.set_host_spill(policy.spill and host_tokens > 0)
             if not policy.quotas:  # quotas are ours; baselines run without them
                 cache.branch_quota_tokens = cache.session_quota_tokens = 1 << 40
                 s.max_kept_branches = s.max_kept_tokens = 1 << 40
@@ -414,17 +409,13 @@ class _Run:
             return UnifiedRadixCache.match_prefix(self.cache, MatchPrefixParams(key=key)).device_prefix_len
 
     def restored_so_far(self) -> int:
-        """Tokens loaded back from the host tier so far (HiCache's admission load-backs, or our tier's)."""
-        if self.driver.hicache:
-            return self.driver.hicache_loaded_tokens
-        if not self.agent:
-            return 0
-        return self.cache.pauses.counters["restored_tokens"] + self.cache.spill.counters["loaded_tokens"]
+        """Tokens HiCache's admission load-backs brought back from its host pool so far."""
+        return self.driver.hicache_loaded_tokens if self.driver.hicache else 0
 
     # ---- requests ----
 
     def try_start(self, request: Request, arrived: float, now: float) -> bool:
-        from sgl_agentcache.server.offline import OfflineOutOfMemory, OfflineRefused
+        from sgl_agentcache.server.scheduler.offline import OfflineOutOfMemory, OfflineRefused
 
         if len(self.live) >= self.max_live:
             return False
@@ -670,7 +661,7 @@ class _Run:
     def pause(self, request: Request, now: float) -> None:
         branch, tool = self.branch(request), request.tool
         pauses = self.cache.pauses
-        tokens = sum(len(n.key) for n in pauses.copies.movable_suffix(branch))
+        tokens = sum(len(n.key) for n in movable_suffix(self.cache.tree_core, branch))
         p = self.profile
         join = self.subagents.join(request.tenant, request.session, request.branch, now) \
             if self.prices_joins else None
@@ -691,10 +682,6 @@ class _Run:
             with self.driver.activated():
                 pauses.pause(branch, order.latency, tool_class=tool.tool_class, force=order.action,
                              resume_probability=order.resume_probability)
-            if branch in pauses.copies.offloading:  # an asynchronous offload: it lands when the link has
-                # carried the copy (or earlier, at the next step a call's decode runs): a call of the
-                # branch before then keeps its device KV and the copy is dropped (HostCopies.cancel_offload)
-                self.push(now + tokens * p.kv_bytes_per_token / p.d2h_bytes_per_s, "land", branch)
         self.paused[branch] = (now, tool.tool_class, self.owned_on_device(branch))
         if order.unpin_after_s is not None:
             self.push(now + order.unpin_after_s, "unpin", branch)
@@ -743,22 +730,17 @@ class _Run:
             self.load_branch(branch, evict=evict)
 
     def load_branch(self, branch: BranchKey, *, evict: bool) -> None:
-        """Bring ``branch``'s KV back ahead of its next call: its host copy if the pause offloaded it
-        (the pause machinery's prefetch), else what eviction spilled of its last call's path."""
-        pauses = self.cache.pauses
+        """Bring what HiCache's host pool holds of ``branch``'s last call's path back ahead of its next
+        call (``evict``: into memory eviction frees too, else only into free memory)."""
         with self.driver.activated():
-            if branch in pauses.records and branch in pauses.host.entries:
-                pauses.prefetch_branch(branch, queued=len(self.waiting))
-                return
             last = self.last_call.get(branch)
-            if last is None or not (self.cache.spill.lru or self.cache.on_hicache):
+            if last is None or not self.cache.on_hicache:
                 return
             from sglang.srt.mem_cache.radix_cache import RadixKey
 
             tokens = self.tokens.prompt(last) + self.tokens.output(last)
-            self.cache.load_spilled(RadixKey(array("q", tokens), last.tenant), evict=evict)
-            if self.cache.on_hicache:
-                self.driver.idle_poll()  # the copy is acknowledged at the scheduler's next loop
+            self.cache.load_from_host(RadixKey(array("q", tokens), last.tenant), evict=evict)
+            self.driver.idle_poll()  # the copy is acknowledged at the scheduler's next loop
 
     # ---- closes ----
 
@@ -962,9 +944,6 @@ class _Run:
                 self.on_unpin(payload)
             elif kind == "prefetch":
                 self.on_prefetch(*payload)
-            elif kind == "land":
-                with self.driver.activated():
-                    self.cache.pauses.land_offloads(payload)
             stuck = len(self.waiting) + len(self.deferred) + len(self.blocked_closes)
             if not self.events and stuck:
                 raise RuntimeError(f"{stuck} requests or closes can never be admitted into a "
@@ -981,21 +960,17 @@ class _Run:
             moved = self.driver.hicache_moved
             r.bytes_d2h = moved["d2h_tokens"] * self.profile.kv_bytes_per_token
             r.bytes_h2d = moved["h2d_tokens"] * self.profile.kv_bytes_per_token
+            host = self.cache.cache_controller.mem_pool_host
+            r.host_tokens_at_end = int(host.size) - int(host.available_size())
         r.tenant_hit_rates = {t: c / max(n, 1) for t, (c, n) in sorted(self.tenant_tokens.items())}
         if self.agent:
             pauses = self.cache.pauses
             r.decisions = dict(pauses.counters["decisions"]) | {
                 "refused_closed": pauses.counters["refused_closed"], "too_small": pauses.counters["too_small"]}
-            if not self.driver.hicache:
-                r.bytes_d2h = pauses.host.demotes.tokens * self.profile.kv_bytes_per_token
-                r.bytes_h2d = pauses.host.promotes.tokens * self.profile.kv_bytes_per_token
             pf = pauses.prefetch
             judged = pf["used"] + pf["wasted"]
-            host_resumes = max(pauses.counters["restores"] + pf["issued"] - pf["used"], 0)
             r.prefetch = {"issued": pf["issued"], "used": pf["used"], "wasted": pf["wasted"],
-                          "precision": pf["used"] / judged if judged else None,
-                          "recall": pf["used"] / host_resumes if host_resumes else None}
-            r.host_tokens_at_end = pauses.host.used_tokens
+                          "precision": pf["used"] / judged if judged else None}
         if self.inference is not None:
             r.inference = self.inference.stats() | {"orphans": self.inferred_orphans, "audit": dict(self.audit),
                                                     "kept_on_close_tokens": self.cache.kept_on_close_tokens}
@@ -1003,12 +978,11 @@ class _Run:
         if self.policy.hints:
             # Leaked: terminated tokens that nothing holds any more yet are still resident, on any tier
             # (must be 0): what a reclaim could free now (``awaits_reclaim``, as the integrity check asks).
-            # Terminated nodes that other branches' nodes still hang below, on the device or on host
-            # (spilled nodes, paused copies, HiCache host-only nodes), are shared, not leaked.
+            # Terminated nodes that other branches' nodes still hang below, on the device or in HiCache's
+            # host pool, are shared, not leaked.
             core, cache = self.cache.tree_core, self.cache
-            held = cache.host_anchors()
             r.reclaimed_tokens = cache.freed_on_close_tokens
-            r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.awaits_reclaim(n) and n not in held)
+            r.leaked_tokens = sum(len(n.key) for n in core.terminated if core.awaits_reclaim(n))
             r.terminated_shared_tokens = sum(len(n.key) for n in core.terminated) - r.leaked_tokens
         if self.timeline:
             self.sample(max(r.completion_s, max((e.t for e in self.trace.records), default=0.0)))

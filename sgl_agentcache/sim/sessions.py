@@ -61,7 +61,7 @@ class SessionStudyConfig:
     group_size: int = GROUP_SIZE
     pressure: str = "tight"
     hosts: tuple[float, ...] = (0.25, 0.5, 1.0)
-    policies: tuple[str, ...] = ("sglang-hicache", "kvflow", OURS, "agentcache-own-tier", "agentcache-inferred")
+    policies: tuple[str, ...] = ("sglang-hicache", "kvflow", OURS, "agentcache-inferred")
     token_scale: int = TOKEN_SCALE
     profile: str = "seed"
     workers: int = 2

@@ -14,11 +14,9 @@ host tier at all and so appear at host 0 only -- stock without a host tier is th
 ratio, in every cell. All systems run at the main host levels (``hosts``); ours and the HiCache
 baselines also run at the sweep levels (``sweep_hosts``, at ``sweep_pressure``).
 
-Every system with a host tier runs on SGLang's own HiCache code driven offline (``server/offline.py``):
+Every system with a host tier runs on SGLang's own HiCache code driven offline (``server/scheduler/offline.py``):
 ``sglang-hicache`` is SGLang's HiCache itself (write-back), the write-back reference of every comparison;
-ours (``agentcache``) is our lifecycle deciding what HiCache's host pool holds. Ours on the host tier the
-package carried before (``agentcache-own-tier``, being retired: issue #36) runs beside it at the same
-host bytes, one more "other system" of ``comparisons`` (never anyone's best baseline).
+ours (``agentcache``) is our lifecycle deciding what HiCache's host pool holds.
 
 Statistics. Each figure is a mean over seeds with a 95% confidence interval (Student t over the
 per-seed values); ours against each other system is the per-seed ratio of recomputed tokens, and a
@@ -67,12 +65,10 @@ REAL_WORKLOADS = {
 OURS = "agentcache"
 #: Ours with no client hints: the lifecycle inferred from the calls (AGENTCACHE_INFER=chat).
 INFERRED = "agentcache-inferred"
-#: Ours on the host tier the package carried before HiCache (being retired: issue #36).
-OWN_TIER = "agentcache-own-tier"
-#: SGLang's HiCache itself, driven offline through its code (server/offline.py): the write-back reference.
+#: SGLang's HiCache itself, driven offline through its code (server/scheduler/offline.py): the write-back reference.
 SGLANG_HICACHE = "sglang-hicache"
-DEFAULT_POLICIES = ("stock", SGLANG_HICACHE, "infercept", "continuum", "kvflow", "session-radix", OURS, OWN_TIER,
-                    INFERRED, "clairvoyant")
+DEFAULT_POLICIES = ("stock", SGLANG_HICACHE, "infercept", "continuum", "kvflow", "session-radix", OURS, INFERRED,
+                    "clairvoyant")
 
 
 @dataclass(frozen=True)
@@ -83,7 +79,7 @@ class SuiteConfig:
     hosts: tuple[float, ...] = (0.0, 1.0)  # host tier as a multiple of the pool: every policy (host 0 at
     # the sweep pressure only: every system without a host tier is the equal-memory comparison there)
     sweep_hosts: tuple[float, ...] = (0.25, 0.5, 4.0)  # ours and HiCache only, at sweep_pressure
-    sweep_policies: tuple[str, ...] = (SGLANG_HICACHE, OURS, OWN_TIER)
+    sweep_policies: tuple[str, ...] = (SGLANG_HICACHE, OURS)
     sweep_pressure: str = "tight"
     seeds: tuple[int, ...] = tuple(range(1, 11))
     real_seeds: tuple[int, ...] = tuple(range(1, 11))
