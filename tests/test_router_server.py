@@ -175,8 +175,13 @@ def test_a_fork_lives_and_is_reclaimed_on_its_sessions_worker(cluster, tiny_mode
     _integrity(workers)
 
 
-def test_cluster_stats_are_the_sum_of_the_workers(cluster):
+def test_cluster_stats_are_the_sum_of_the_workers(cluster, tiny_model):
     workers, router = cluster
+    # A branch on each worker, sent straight to it: the sum must not hang on where the router placed
+    # the earlier tests' sessions (min_group may put them all on one worker, or their state may be gone).
+    for i, worker in enumerate(workers):
+        ids = [random.Random(50 + i).randrange(3, tiny_model.vocab_size) for _ in range(40)]
+        _generate(worker, ACME_KEY, ids, {"session": _open(worker, ACME_KEY)}, direct=True)
     operator = Cluster.from_router(router.url, headers=_bearer(ADMIN_KEY))
     stats = operator.stats()
     assert set(stats["workers"]) == {w.url for w in workers} and not stats["unreachable"]
