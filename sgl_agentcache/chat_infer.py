@@ -62,6 +62,9 @@ from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.gap_bounds import MIN_GAPS, GapBounds
 
 _DIGEST = 16  # bytes per fingerprint (BLAKE2b): collisions are out of reach for a conversation's life
+#: How many later user messages a new conversation offers as the first user message of the one it may
+#: rewrite (a message inserted before it: see :attr:`ChatTurn.reopenings`).
+MAX_REOPENINGS = 4
 
 
 def _text(content: Any) -> str:
@@ -126,14 +129,20 @@ class ChatTurn:
     session: str  # inferred session id
     source: str  # where the session came from: prompt_cache_key, safety_identifier, user, conversation
     last_tool_result: int = -1  # index of the last tool-result message (-1: none)
+    # A conversation rewritten at its very start (a message inserted before its first user message:
+    # injected memory, a re-sent preamble) hashes to a new session. Per candidate: the session id it
+    # had if a later message opened it, and that message's and the next one's fingerprints as they
+    # chain right after the system messages -- what the rewritten branch's own fingerprints hold there.
+    reopenings: tuple[tuple[str, bytes, bytes], ...] = ()
 
     @classmethod
     def from_messages(cls, messages: Iterable[Mapping], *, prompt_cache_key: str | None = None,
                       safety_identifier: str | None = None, user: str | None = None) -> "ChatTurn":
-        fingerprints, digest, opening = [], b"", []
+        fingerprints, digest, opening, datas, later_users = [], b"", [], [], []
         leading_system, first_user_seen, last_tool_result = 0, False, -1
         for i, message in enumerate(messages):
             data = canonical_message(message)
+            datas.append(data)
             digest = hashlib.blake2b(digest + data, digest_size=_DIGEST).digest()
             fingerprints.append(digest)
             role = message.get("role")
@@ -144,13 +153,33 @@ class ChatTurn:
             if not first_user_seen:
                 opening.append(data)
                 first_user_seen = role == "user"
+            elif role == "user" and len(later_users) < MAX_REOPENINGS:
+                later_users.append(i)
         for source, value, prefix in (("prompt_cache_key", prompt_cache_key, "k-"),
                                       ("safety_identifier", safety_identifier, "s-"), ("user", user, "u-")):
             if isinstance(value, str) and value:
                 return cls(tuple(fingerprints), leading_system, _hashed(prefix, value.encode()), source,
                            last_tool_result)
+        system = datas[:leading_system]
+        reopenings = reopening_candidates(fingerprints[leading_system - 1] if leading_system else b"",
+                                          [_hashed("c-", b"\x1e".join(system + [datas[i]])) for i in later_users],
+                                          [(datas[i], datas[i + 1] if i + 1 < len(datas) else None) for i in later_users])
         return cls(tuple(fingerprints), leading_system, _hashed("c-", b"\x1e".join(opening)), "conversation",
-                   last_tool_result)
+                   last_tool_result, reopenings)
+
+
+def reopening_candidates(system_digest: bytes, sessions: list[str],
+                         openers: list[tuple[bytes, bytes | None]]) -> tuple[tuple[str, bytes, bytes], ...]:
+    """:attr:`ChatTurn.reopenings` from the system messages' chained digest, each candidate's session
+    id, and its opening message and the one after it (the data the fingerprints chain); a candidate
+    with nothing after it is left out (one message is too little evidence of a rewrite)."""
+    out = []
+    for session, (first, second) in zip(sessions, openers):
+        if second is None:
+            continue
+        d1 = hashlib.blake2b(system_digest + first, digest_size=_DIGEST).digest()
+        out.append((session, d1, hashlib.blake2b(d1 + second, digest_size=_DIGEST).digest()))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -199,12 +228,15 @@ class Assignment:
     new_session: bool
     kind: str  # "continued", "edits", "forks" or "new_branches" (its counter)
     gap: tuple[str, float] | None = None  # a branch coming back: ("tool" | "idle", seconds it waited)
+    rewritten: tuple[str, str] | None = None  # (namespace, session) this new conversation rewrote
 
 
 class Closing(NamedTuple):
     """A branch inference forgot, for the caller to close, and why: ``"idle"`` (no request for its idle
     bound), ``"tool_bound"`` (waiting on its tool far past its namespace's tool gaps: abandoned),
-    ``"subagent"`` (a finished fork of a branch resuming from its tool) or ``"bounds"`` (state bounds)."""
+    ``"subagent"`` (a finished fork of a branch resuming from its tool), ``"rewritten"`` (a session whose
+    conversation came back with a message inserted before its first user message) or ``"bounds"``
+    (state bounds)."""
 
     namespace: str
     session: str
@@ -262,7 +294,8 @@ class ChatInference:
         self._name_key = os.urandom(16) if name_key is None else name_key
         self._next = 0
         self.counters = {"requests": 0, "continued": 0, "edits": 0, "forks": 0, "new_branches": 0, "idle_closes": 0,
-                         "tool_bound_closes": 0, "subagent_closes": 0, "forgotten_branches": 0, "refused": 0}
+                         "tool_bound_closes": 0, "subagent_closes": 0, "rewritten_closes": 0, "forgotten_branches": 0,
+                         "refused": 0}
 
     def _name(self, kind: str) -> str:
         self._next += 1
@@ -332,23 +365,59 @@ class ChatInference:
         branch.last_seen = now
         session.branches.move_to_end(name)
         inferred = Inferred(turn.session, name, parent, shared, turn.source, kind == "continued", kind == "edits")
-        return inferred, Assignment(namespace, inferred, previous, fps, new_session, kind, gap)
+        rewritten = self._rewritten(namespace, turn) if new_session and self.infer_edits else None
+        return inferred, Assignment(namespace, inferred, previous, fps, new_session, kind, gap, rewritten)
+
+    def _rewritten(self, namespace: str, turn: ChatTurn) -> tuple[str, str] | None:
+        """The idle session ``turn`` (a new conversation) rewrote at its start, if any: one whose root
+        branch's messages, right after the same system messages, are two of ``turn``'s later messages
+        (:attr:`ChatTurn.reopenings`). Like an edit, a rewrite is of an idle conversation: none of its
+        branches has a request in flight, and a root waiting on its tool needs a tool result here."""
+        at = turn.leading_system
+        for session, first, second in turn.reopenings:
+            state = self.sessions.get((namespace, session))
+            if state is None or state.busy():
+                continue
+            for branch in state.branches.values():
+                fps = branch.fingerprints
+                if (branch.parent is None and len(fps) > at + 1 and fps[at] == first and fps[at + 1] == second
+                        and (not branch.awaiting_tool or turn.last_tool_result >= 0)):
+                    return namespace, session
+        return None
 
     def commit(self, assignment: Assignment) -> list[Closing]:
         """The request was accepted: count it, and enforce the bounds. Returns the branches this made
         inference forget, for the caller to close (keeping their KV cached): the finished subagents of
-        a branch resuming from its tool (reason ``"subagent"``), then what the bounds forgot
-        (``"bounds"``)."""
+        a branch resuming from its tool (reason ``"subagent"``), the session this new conversation
+        rewrote (``"rewritten"``: its history past the system messages is no prefix of anything now),
+        then what the bounds forgot (``"bounds"``)."""
         self.counters["requests"] += 1
         self.counters[assignment.kind] += 1
         key = (assignment.namespace, assignment.inferred.session)
-        closed = []
+        closed = self._close_rewritten(assignment.rewritten) if assignment.rewritten is not None else []
         if assignment.gap is not None:
             if self.learned is not None:
                 self.learned.observe(assignment.namespace, *assignment.gap)
             if assignment.gap[0] == "tool":
-                closed = self._finished_forks(key, assignment.inferred.branch)
+                closed += self._finished_forks(key, assignment.inferred.branch)
         return closed + self._bound(key)
+
+    def _close_rewritten(self, key: tuple[str, str]) -> list[Closing]:
+        """Forget the rewritten session ``key``, forks before parents, unless a request of it arrived
+        since :meth:`assign` (then it was not rewritten after all)."""
+        state = self.sessions.get(key)
+        if state is None or state.busy():
+            return []
+        depth = {}
+        for name in state.branches:
+            d, parent = 0, state.branches[name].parent
+            while parent in state.branches and d < len(state.branches):
+                d, parent = d + 1, state.branches[parent].parent
+            depth[name] = d
+        closed = [Closing(*key, name, "rewritten") for name in sorted(state.branches, key=depth.__getitem__, reverse=True)]
+        self.forget_session(*key)
+        self.counters["rewritten_closes"] += len(closed)
+        return closed
 
     def _finished_forks(self, key: tuple[str, str], lead: str) -> list[Closing]:
         """``lead`` resumes with its tool's result: the forks of it that answered and wait for nothing

@@ -326,3 +326,42 @@ def test_a_branch_resuming_from_its_tool_closes_its_finished_subagents_only():
             inf.done(NS, second.session, second.branch, 2, called_tool=True)
         _, closed = assign(inf, NS, turn(history + [result("partial")]), 3)
         assert closed == [] and inf.counters["subagent_closes"] == 0, still_busy
+
+
+def test_a_conversation_rewritten_before_its_first_user_message_closes_the_old_session():
+    """A harness injects a memory message after the system prompt: the conversation's opening changes,
+    so it is a new session by its hash; the old one, idle and holding the same messages right after the
+    system prompt, was rewritten and is closed at once (forks first, reason "rewritten") -- unless a
+    request of it is in flight, or only one message matches (too little evidence)."""
+    history = [SYSTEM, user("fix the bug"), call("read"), result("the file")]
+    spliced = [SYSTEM, user("memory: prefers small diffs")] + history[1:] + [user("go on")]
+
+    inf = ChatInference()
+    old, _ = assign(inf, NS, turn(history), 0)
+    inf.done(NS, old.session, old.branch, 1, called_tool=True)
+    sub, _ = assign(inf, NS, turn(history + [call("task"), user("subtask")]), 1.5)  # its tool's subagent
+    assert sub.parent == old.branch
+    inf.done(NS, sub.session, sub.branch, 2)
+    new, closed = assign(inf, NS, turn(spliced), 3)
+    assert new.session != old.session and new.parent is None
+    assert [(c.session, c.branch, c.reason) for c in closed] == [(old.session, sub.branch, "rewritten"),
+                                                                 (old.session, old.branch, "rewritten")]
+    assert inf.sessions.get((NS, old.session)) is None and inf.counters["rewritten_closes"] == 2
+    # Rolled back (refused before it ran): the old session was not touched.
+    inf = ChatInference()
+    old, _ = assign(inf, NS, turn(history), 0)
+    inf.done(NS, old.session, old.branch, 1)
+    _, assignment = inf.assign(NS, turn(spliced), 2)
+    inf.rollback(assignment, 2)
+    assert set(inf.sessions.get((NS, old.session)).branches) == {old.branch}
+
+    for case in ("in flight", "one message only", "edits off", "keyed"):
+        inf = ChatInference(infer_edits=case != "edits off")
+        keyed = {"prompt_cache_key": "k"} if case == "keyed" else {}  # one session whatever its opening
+        old, _ = assign(inf, NS, turn(history[:2] if case == "one message only" else history), 0)
+        if case != "in flight":
+            inf.done(NS, old.session, old.branch, 1)
+        second = [SYSTEM, user("memory")] + (history[1:2] + [user("other")] if case == "one message only" else history[1:])
+        assert turn(second, **keyed).reopenings == () or not keyed
+        _, closed = assign(inf, NS, turn(second, **keyed), 2)
+        assert closed == [] and inf.counters["rewritten_closes"] == 0, case

@@ -265,6 +265,31 @@ def test_a_compaction_is_an_edit_of_its_branch_that_frees_the_old_suffix_at_once
     assert status == 200 and check["ok"], check
 
 
+def test_a_memory_message_injected_before_the_task_closes_the_conversation_it_rewrote(servers, tiny_model):
+    """A harness inserts a memory message between the system prompt and the task: the conversation's
+    opening changed, so it is a new session; the old one, idle with the same task and reply right
+    after the system prompt, was rewritten and is closed as the new request is accepted (its KV kept
+    as untagged cache: it is no prefix of anything now, and a wrong guess costs nothing)."""
+    on, _ = servers
+    chat = Chat(on, tiny_model)
+    task = _user("rename the config loader and update its callers. " * 3)
+    history = [SYSTEM, task, {"role": "assistant", "content": "listing the callers"},
+               _user("callers: " + "cli.py server.py bench.py " * 10)]
+    chat.answer(history[:2], tools=False)
+    chat.answer(history, tools=False)
+    answered, before = time.monotonic(), chat.stats()
+    spliced = [SYSTEM, _user("memory: the user prefers small commits")] + history[1:] + [_user("go on")]
+    chat.answer(spliced, tools=False)
+    if time.monotonic() - answered >= 2.0 - 0.5:  # gap_bounds.FLOOR_S: the shortest learned idle bound
+        pytest.skip("too slow a machine: the idle sweep may have closed the old conversation first")
+    inference = chat.stats()["chat_inference"]
+    assert inference["rewritten_closes"] == before["chat_inference"]["rewritten_closes"] + 1, inference
+    assert inference["idle_closes"] == before["chat_inference"]["idle_closes"], inference
+    assert _wait(lambda: chat.stats()["kept_on_close_tokens"] > before["kept_on_close_tokens"], timeout=10)
+    status, check = on.request("GET", "/agentcache/check")
+    assert status == 200 and check["ok"], check
+
+
 def test_a_conversation_back_after_its_idle_close_still_hits_its_history(servers, tiny_model):
     """A human away for longer than the idle time: the sweeper closes the branch (a wrong guess). The
     close keeps the KV as untagged cache, so the next turn hits the whole first prompt (a close that

@@ -66,6 +66,27 @@ def test_inference_continues_a_branch_forks_busy_subagents_and_closes_idle_branc
     assert inference.stats()["sessions"] == 0 and inference.stats()["subagent_closes"] == 2
 
 
+def test_a_conversation_spliced_after_its_stable_prefix_closes_the_session_it_rewrote():
+    """Blocks inserted between the stable prefix and the opening block (a memory segment) make a new
+    session by the opening, as on the server; the old session, idle, is closed as rewritten."""
+    inference = ReplayInference(BLOCK)
+    old, _ = inference.receive(_call("o1", 0.0, [1, 2, 3, 4, 5]), 0.0)
+    inference.done(old, 1.0)
+    new, closed = inference.receive(_call("o2", 2.0, [1, 2, 70, 71, 72, 3, 4, 5, 6]), 2.0)
+    assert new.session != old.session and closed == [BranchKey(namespace_key("default", None), old.session, old.branch)]
+    assert inference.stats()["rewritten_closes"] == 1 and inference.stats()["sessions"] == 1
+    # Every splice of the generated context_editing trace is found, and nothing else is closed so.
+    trace = generate("context_editing", seed=1, scale=0.1)
+    inference = ReplayInference(trace.header.block_tokens)
+    splices = 0
+    for request in sorted(trace.requests, key=lambda r: r.t):
+        splices += request.edit_from_tokens is not None and request.edit_from_tokens <= request.stable_prefix_tokens
+        inferred, _ = inference.receive(request, request.t)
+        inference.done(inferred, request.t + 1.0)
+    assert splices > 0 and inference.stats()["rewritten_closes"] == splices
+    assert inference.stats()["sessions"] == len({r.session for r in trace.requests})
+
+
 def test_a_paused_branch_is_not_closed_when_idle_until_the_maximum_retention():
     inference = ReplayInference(BLOCK, idle_s=10.0, max_retention_s=100.0)
     call, _ = inference.receive(_call("l1", 0.0, [1, 2, 3]), 0.0)

@@ -22,6 +22,11 @@ would have run (``hints="inferred"``). What carries over, and what it stands for
 - a context edit -> what the server infers: a call that shares history with an idle branch and then
   diverges edits it (``edit_from_tokens`` = the shared blocks' tokens), whether or not the trace marks
   an edit there;
+- a conversation rewritten at its start -> a call whose stable prefix is followed by blocks inserted
+  before its old opening block (a spliced memory segment) is a new session by its opening, as on the
+  server; each of its first ``REOPEN_BLOCKS`` blocks after the opening block stands for a later user
+  message that may have opened the old conversation (a message spans many blocks; the server tries
+  ``MAX_REOPENINGS`` user messages), and the old session is closed when the next block matches too;
 - closes -> none: a client sends no close. A branch resuming from its tool closes its finished forks
   (a Task-style subagent, as on the server). Branches close after their idle bound without a call in
   flight, except while paused on a tool within the server's maximum retention or, once learned, the
@@ -36,7 +41,7 @@ import hashlib
 
 import msgspec
 
-from sgl_agentcache.chat_infer import ChatInference, ChatTurn
+from sgl_agentcache.chat_infer import ChatInference, ChatTurn, reopening_candidates
 from sgl_agentcache.lifecycle import BranchKey, namespace_key
 from sgl_agentcache.policy.gap_bounds import MIN_GAPS
 from sgl_agentcache.trace.schema import Request
@@ -44,6 +49,13 @@ from sgl_agentcache.trace.schema import Request
 #: The server's defaults: ``AGENTCACHE_INFER_IDLE_S`` and ``AGENTCACHE_MAX_RETENTION_S``.
 IDLE_S = 300.0
 MAX_RETENTION_S = 600.0
+#: Blocks after a new conversation's opening block that may be the opening block of the conversation
+#: it rewrote (a spliced segment of up to this many blocks is recognised).
+REOPEN_BLOCKS = 128
+
+
+def _opening_session(blocks) -> str:
+    return "c-" + hashlib.blake2b(b"".join(b.to_bytes(8, "little") for b in blocks), digest_size=12).hexdigest()
 
 
 def block_turn(request: Request, block_tokens: int) -> ChatTurn:
@@ -53,9 +65,18 @@ def block_turn(request: Request, block_tokens: int) -> ChatTurn:
         digest = hashlib.blake2b(digest + block.to_bytes(8, "little"), digest_size=16).digest()
         fingerprints.append(digest)
     leading = min(request.stable_prefix_tokens // block_tokens, len(fingerprints))
-    opening = b"".join(b.to_bytes(8, "little") for b in request.blocks[:leading + 1])
-    session = "c-" + hashlib.blake2b(opening, digest_size=12).hexdigest()
-    return ChatTurn(tuple(fingerprints), leading, session, "conversation")
+    return ChatTurn(tuple(fingerprints), leading, _opening_session(request.blocks[:leading + 1]), "conversation")
+
+
+def block_reopenings(turn: ChatTurn, request: Request) -> tuple[tuple[str, bytes, bytes], ...]:
+    """:attr:`ChatTurn.reopenings` of a call (see the module docstring): each block after the opening
+    block, as the first block after the stable prefix of the conversation it may have rewritten."""
+    leading, blocks = turn.leading_system, request.blocks
+    stop = min(leading + 1 + REOPEN_BLOCKS, len(turn.fingerprints))
+    later = range(leading + 1, stop)
+    return reopening_candidates(turn.fingerprints[leading - 1] if leading else b"",
+                                [_opening_session(blocks[:leading] + [blocks[i]]) for i in later],
+                                [(blocks[i].to_bytes(8, "little"), blocks[i + 1].to_bytes(8, "little")) for i in later])
 
 
 class ReplayInference:
@@ -84,6 +105,8 @@ class ReplayInference:
         trace_branch = (request.tenant, request.session, request.branch)
         if self.called_tool.get(trace_branch):  # it carries its branch's tool result, at its end
             turn = dataclasses.replace(turn, last_tool_result=len(turn.fingerprints))
+        if self.state.sessions.get((namespace, turn.session)) is None:  # only a new one can be a rewrite
+            turn = dataclasses.replace(turn, reopenings=block_reopenings(turn, request))
         self.called_tool[trace_branch] = request.tool is not None
         inferred, assignment = self.state.assign(namespace, turn, now)
         forgotten = self.state.commit(assignment)  # a replayed call is never refused at the front door
@@ -120,4 +143,4 @@ class ReplayInference:
         return self.state.stats()
 
 
-__all__ = ["IDLE_S", "MAX_RETENTION_S", "ReplayInference", "block_turn"]
+__all__ = ["IDLE_S", "MAX_RETENTION_S", "REOPEN_BLOCKS", "ReplayInference", "block_reopenings", "block_turn"]

@@ -322,8 +322,9 @@ async def _close(namespace: str, session: str, branch: str, reason: str) -> None
     """Close an inferred branch, keeping its KV as untagged cache. ``reason`` (a
     :class:`~sgl_agentcache.chat_infer.Closing`'s): ``"idle"`` (not if it was paused on a tool
     meanwhile), ``"tool_bound"`` (paused on its tool far past the namespace's learned tool gaps: the
-    pause ends with it), ``"subagent"`` (a finished fork of a branch resuming from its tool) or
-    ``"bounds"`` (inference's memory bounds)."""
+    pause ends with it), ``"subagent"`` (a finished fork of a branch resuming from its tool),
+    ``"rewritten"`` (its conversation came back as a new one with a message inserted before its first
+    user message) or ``"bounds"`` (inference's memory bounds)."""
 
     await shared.coordinator.settle([(namespace, session, branch)])
     if reason == "idle" and (namespace, session, branch) in shared.coordinator.on_tools():
