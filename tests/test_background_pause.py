@@ -275,14 +275,26 @@ def test_an_idle_branch_is_priced_as_a_pause_on_idle_and_its_gap_is_learned():
         assert pause["elapsed_s"] == pytest.approx(DEFAULT_AFTER_S + 5.0)
         assert coordinator.counters["idle_pauses"] == 1 and KEY in coordinator.active
         assert coordinator.active[KEY].timer is None  # never released for being idle
-        now[0] = 100.0
-        coordinator.note_request(NS, "s1", "main")  # it came back: resumed, the 100 s gap learned
+        # Idle twice as long: priced again with the longer elapsed time (advice given at the usual gap
+        # must not hold for hours), still once per doubling.
+        now[0] = 2 * (DEFAULT_AFTER_S + 5.0)
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if len(sent) == 2:
+                break
+        await coordinator.settle()
+        assert len(sent) == 2 and sent[-1]["elapsed_s"] == pytest.approx(2 * (DEFAULT_AFTER_S + 5.0))
+        assert coordinator.counters["idle_repriced"] == 1 and coordinator.counters["idle_pauses"] == 1
+        await asyncio.sleep(0.01)
+        assert len(sent) == 2
+        now[0] = 200.0 + 2 * DEFAULT_AFTER_S
+        coordinator.note_request(NS, "s1", "main")  # it came back: resumed, the whole gap learned
         await asyncio.sleep(0.01)
         assert KEY not in coordinator.active
         gaps = coordinator.book.peek(NS, IDLE_CLASS)
         from sgl_agentcache.policy.latency import LatencyModel
 
-        assert gaps.observations == 1 and gaps.survival(50.0) > 2 * LatencyModel().survival(50.0)  # ~100 s
+        assert gaps.observations == 1 and gaps.survival(150.0) > 2 * LatencyModel().survival(150.0)  # ~320 s
         coordinator.note_answered(NS, "s1", "main")
         coordinator.forget(NS, "s1")  # a close forgets it
         assert not coordinator.idle.since

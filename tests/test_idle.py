@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_agentcache.policy.idle import DEFAULT_AFTER_S, IDLE_CLASS, MIN_GAPS, PRICE_QUANTILE, IdleBranches
+from sgl_agentcache.policy.idle import (DEFAULT_AFTER_S, IDLE_CLASS, MIN_GAPS, PRICE_QUANTILE, REPRICE_FACTOR,
+                                        IdleBranches)
 from sgl_agentcache.policy.latency import LatencyBook
 from sgl_agentcache.policy.pause import PauseAction, PauseInputs, decide
 
@@ -25,13 +26,17 @@ def test_gaps_are_learned_and_set_when_a_branch_is_due():
     assert idle.arrived("t", "never-answered", "main", now=5.0) is None
 
 
-def test_a_due_branch_is_handed_out_once_per_idle_spell_and_its_resume_is_learned_by_the_pause():
+def test_a_due_branch_is_handed_out_once_per_doubling_of_its_idle_time_and_its_resume_is_learned_by_the_pause():
     book = LatencyBook()
     idle = IdleBranches(book)
     idle.answered("t", "s", "main", now=0.0)
     assert idle.due(now=DEFAULT_AFTER_S - 1) == []
     assert idle.due(now=DEFAULT_AFTER_S + 1) == [(("t", "s", "main"), 0.0, DEFAULT_AFTER_S + 1)]
-    assert idle.due(now=DEFAULT_AFTER_S + 50) == []  # handed out already
+    assert idle.due(now=DEFAULT_AFTER_S + 50) == []  # handed out already...
+    # ...until its idle time has grown REPRICE_FACTOR-fold: then priced again with it (once per step).
+    again = REPRICE_FACTOR * (DEFAULT_AFTER_S + 1)
+    assert idle.due(now=again - 1) == [] and idle.due(now=again) == [(("t", "s", "main"), 0.0, again)]
+    assert idle.due(now=again + 1) == []
     idle.arrived("t", "s", "main", now=200.0)  # the pause on @idle learns this gap when it resumes
     assert (("t", IDLE_CLASS) not in book) or book.peek("t", IDLE_CLASS).observations == 0
     idle.answered("t", "s", "main", now=300.0)  # a new spell: due again later

@@ -134,6 +134,25 @@ def test_offload_advice_protects_the_branch_on_host_and_the_resume_loads_it_back
     h.assert_clean()
 
 
+def test_an_idle_pauses_advice_never_lifts_its_host_copies_over_others():
+    """A branch waiting on its user is priced on ``@idle`` by the idle sweep: a guess about a human, so
+    even OFFLOAD advice leaves its host copies ranked by recency with the rest (on the real sessions,
+    hours-idle sessions advised OFFLOAD pushed out a conversation idle for 40 s); a tool pause's
+    OFFLOAD advice still protects."""
+    from sgl_agentcache.policy.idle import IDLE_CLASS
+
+    h = Lazy(pool=1024, host=900)
+    h.turn(ids(2, 400), "idle")
+    h.turn(ids(3, 400), "tool")
+    assert h.pause("idle", LONG, tool_class=IDLE_CLASS, elapsed_s=3000.0)["action"] == "offload"
+    assert h.pause("tool", LONG, tool_class="ci_run")["action"] == "offload"
+    h.turn(ids(100, 500), "other0")  # both pushed to host (the host holds both)
+    h.turn(ids(101, 500), "other1")
+    assert h.on_host("idle") == 400 and h.on_host("tool") == 400
+    assert h.host_only_bands("idle") == {Band.VALUED} and h.host_only_bands("tool") == {Band.PROTECTED}
+    h.assert_clean()
+
+
 def test_discard_advice_goes_first_from_hicaches_host_pool():
     """``early`` (500 tokens, ordinary) goes to host first, then ``gone`` (300 tokens, advised DISCARD):
     when the host pool needs room, gone's copy is dropped, although early's is older."""

@@ -10,7 +10,12 @@ The gaps between a branch's answered call and its next call are learned per name
 :data:`MIN_GAPS` are known, :data:`DEFAULT_AFTER_S` before -- is *due*: the caller pauses it on
 :data:`IDLE_CLASS` with ``elapsed`` = its idle time, and the pause decision conditions the learned gap
 distribution on that (the longer a session has been idle, the longer it is expected to stay idle: its
-KV is worth less per byte, and its advice moves toward offload or discard). Such a pause is advice only:
+KV is worth less per byte, and its advice moves toward offload or discard). It is due again, priced
+anew with its longer idle time, each time that time has grown :data:`REPRICE_FACTOR`-fold since it was
+last priced: advice given at the usual gap must not stand for hours (on the real Claude Code sessions,
+sessions idle for 40 and 50 minutes still held the OFFLOAD advice of their first minute). On HiCache
+an idle pause's advice never lifts a host copy over others' (``AgentRadixCache.hicache_host_key``);
+DISCARD advice puts its copies first to go. Such a pause is advice only:
 it never releases anything on a deadline (an idle session that returns finds whatever memory pressure
 left of it). Its next call resumes it, which teaches the book that gap; a gap that ends before the
 branch is due is learned at its next call.
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 from sgl_agentcache.namespaced_lru import NamespacedLRU
 
-__all__ = ["DEFAULT_AFTER_S", "IDLE_CLASS", "MIN_GAPS", "PRICE_QUANTILE", "IdleBranches"]
+__all__ = ["DEFAULT_AFTER_S", "IDLE_CLASS", "MIN_GAPS", "PRICE_QUANTILE", "REPRICE_FACTOR", "IdleBranches"]
 
 #: The pseudo tool class of idle gaps in a LatencyBook (hints validate tool classes against
 #: ``[A-Za-z0-9._:-]``, so no client can name it).
@@ -31,6 +36,8 @@ MIN_GAPS = 8
 PRICE_QUANTILE = 0.9
 #: ...or, before that, than this many seconds.
 DEFAULT_AFTER_S = 60.0
+#: A priced branch is due again once its idle time is this many times what it was when last priced.
+REPRICE_FACTOR = 2.0
 #: Idle branches tracked at once, in all and per namespace (the least recently answered of the
 #: namespace over its share are forgotten past it: another namespace's never are).
 LIMIT = 65_536
@@ -46,15 +53,15 @@ class IdleBranches:
         self.book = book
         # idle branch -> when its call was answered, least recently answered first in each namespace
         self.since: NamespacedLRU[Key, float] = NamespacedLRU(limit, namespace_limit)
-        self.priced: set[Key] = set()  # due ones already handed out (paused on IDLE_CLASS)
+        self.priced: dict[Key, float] = {}  # due ones handed out (paused on IDLE_CLASS) -> idle s then
 
     def answered(self, namespace: str, session: str, branch: str, now: float) -> None:
         """A call of the branch was answered and it did not pause on a tool or close: idle from now."""
         key = (namespace, session, branch)
         self.since.pop(key)
-        self.priced.discard(key)
+        self.priced.pop(key, None)
         for old, _ in self.since.put(key, now):
-            self.priced.discard(old)
+            self.priced.pop(old, None)
 
     def arrived(self, namespace: str, session: str, branch: str, now: float) -> float | None:
         """The branch's next call arrived: returns the gap, learned here unless the branch was due and
@@ -65,7 +72,7 @@ class IdleBranches:
             return None
         gap = max(now - started, 0.0)
         if key in self.priced:
-            self.priced.discard(key)
+            del self.priced[key]
         else:
             self.book.observe(namespace, IDLE_CLASS, gap)
         return gap
@@ -79,13 +86,15 @@ class IdleBranches:
         return DEFAULT_AFTER_S
 
     def due(self, now: float) -> list[tuple[Key, float, float]]:
-        """Branches idle past :meth:`after_s` and not handed out yet, as ``(key, answered at, idle s)``;
-        each is handed out once per idle spell."""
+        """Branches due, as ``(key, answered at, idle s)``: idle past :meth:`after_s` and not handed out
+        yet, or handed out when idle for t and idle for :data:`REPRICE_FACTOR` x t now (to be priced
+        again: the caller re-pauses a branch still paused on :data:`IDLE_CLASS`)."""
         out = []
         for key, started in self.since.items():  # a snapshot
-            if key not in self.priced and now - started >= self.after_s(key[0]):
-                self.priced.add(key)
-                out.append((key, started, now - started))
+            idle, last = now - started, self.priced.get(key)
+            if idle >= (self.after_s(key[0]) if last is None else REPRICE_FACTOR * last):
+                self.priced[key] = max(idle, 1e-3)  # never 0: a zero would make it due at every sweep
+                out.append((key, started, idle))
         return out
 
     def model(self, namespace: str):
@@ -100,8 +109,8 @@ class IdleBranches:
             keys = [k for k, _ in self.since.namespace_items(namespace) if k[1] == session]
         for key in keys:
             self.since.pop(key)
-            self.priced.discard(key)
+            self.priced.pop(key, None)
 
     def namespace_ended(self, namespace: str) -> None:
         for key, _ in self.since.pop_namespace(namespace):
-            self.priced.discard(key)
+            self.priced.pop(key, None)

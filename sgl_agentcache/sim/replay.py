@@ -690,16 +690,18 @@ class _Run:
 
     def price_idle(self, now: float) -> None:
         """The server's idle sweep: branches idle past their namespace's usual gap are paused on
-        ``@idle`` with their idle time as elapsed (advice only: no deadline)."""
+        ``@idle`` with their idle time as elapsed (advice only: no deadline), and priced again as that
+        time grows (``policy/idle.py``)."""
         for (tenant, session, name), since, idle_s in self.idle.due(now):
             branch = BranchKey(namespace_key(tenant, None), session, name)
-            if branch in self.paused or branch in self.cache.closed:
+            paused = self.paused.get(branch)
+            if (paused is not None and paused[1] != IDLE_CLASS) or branch in self.cache.closed:
                 continue
             model = self.idle.model(tenant)
             with self.driver.activated():
                 result = self.cache.pauses.pause(branch, model, tool_class=IDLE_CLASS, elapsed_s=idle_s,
                                                  resume_probability=model.resume_rate())
-            if result.get("paused"):
+            if result.get("paused") and paused is None:  # priced again: still paused since it went idle
                 self.paused[branch] = (since, IDLE_CLASS, self.owned_on_device(branch))
 
     def reprice(self, lead: BranchKey, tenant: str, now: float) -> None:

@@ -123,7 +123,7 @@ class PauseCoordinator:
         self._sweeper: asyncio.Task | None = None
         self.counters = {"pauses": 0, "resumes": 0, "resumes_by_request": 0, "deadline_expiries": 0,
                          "deadline_clipped": 0, "prefetch_refused_lead": 0, "join_pauses": 0, "join_repriced": 0,
-                         "idle_pauses": 0, "pauses_shed": 0}
+                         "idle_pauses": 0, "idle_repriced": 0, "pauses_shed": 0}
 
     def _count(self, event: str) -> None:
         self.counters[event] += 1
@@ -355,14 +355,16 @@ class PauseCoordinator:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
 
     async def _sweep_idle(self) -> None:
-        """Every ``idle_sweep_s`` while any branch is idle: pause the ones due on ``@idle``."""
+        """Every ``idle_sweep_s`` while any branch is idle: pause the ones due on ``@idle``, and price
+        again those already paused there whose idle time has grown (``policy/idle.py``)."""
         while self.idle.since:
             await asyncio.sleep(self.idle_sweep_s)
             for (namespace, session, branch), since, _ in self.idle.due(self.clock()):
                 key = (namespace, session, branch)
-                if key in self.active or key in self.pending:
+                active = self.active.get(key)
+                if key in self.pending or (active is not None and active.tool_class != IDLE_CLASS):
                     continue
-                self._count("idle_pauses")
+                self._count("idle_pauses" if active is None else "idle_repriced")
                 self.pause_soon(namespace, session, branch, tool_class=IDLE_CLASS, deadline_ms=None, priority=0,
                                 resume_required=True, idle_since=since)
 

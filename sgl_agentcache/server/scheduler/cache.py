@@ -48,6 +48,7 @@ from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, 
 from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, UNTAGGED_STATE, BranchKey, InsertPlan, NodeClass,
                                       RecentBranches, namespace_key, namespace_salt, parent_refusal)
 from sgl_agentcache.namespaced_lru import NamespacedLRU
+from sgl_agentcache.policy.idle import IDLE_CLASS
 from sgl_agentcache.policy.retention import Band, RetentionModel, device_rank, host_band, learned_rate
 from sgl_agentcache.server.scheduler.integrity import IntegrityReport, check_tree
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
@@ -231,7 +232,15 @@ class AgentRadixCache(UnifiedRadixCache):
         advice = self.pauses.advice.get(owner) if owner is not None and self.pauses.advice else None
         advised = advice.value if advice is not None else None
         low = advised == "discard" or (owner is not None and self.over_quota(owner))
-        return (host_band(low_value=low, protected=advised in ("offload", "keep")), 0.0, False, 0, base_priority)
+        # An idle pause (a branch waiting on its user, priced by the sweep) is a guess about a human:
+        # its advice never lifts a copy over others -- hours-idle sessions advised OFFLOAD pushed out a
+        # conversation idle for 40 s -- so its copies rank by recency with the rest.
+        protected = advised in ("offload", "keep") and not self._idle_pause(owner)
+        return (host_band(low_value=low, protected=protected), 0.0, False, 0, base_priority)
+
+    def _idle_pause(self, owner) -> bool:
+        record = self.pauses.records.get(owner)
+        return record is not None and record.tool_class == IDLE_CLASS
 
     @property
     def host_tier_tokens(self) -> int:
