@@ -407,10 +407,11 @@ def summarise(rep: Replayer, wall_s: float, log: dict, stats: dict | None, stats
         if not rep.pauses:  # hint pauses: the server decided them; count this pass's
             out["pause_decisions"] = _hint_pause_decisions(stats, stats_before)
             # Decisions no call's tool made: the idle sweep's (a branch idle past its namespace's usual
-            # gap, on the server's clock) and a paused lead's re-pricing when a subagent starts.
+            # gap, and again each time its idle time doubles, on the server's clock) and a paused lead's
+            # re-pricing when a subagent starts.
             coordinator = lambda s: (s or {}).get("stats", {}).get("coordinator", {})  # noqa: E731
             out["extra_pause_decisions"] = sum(coordinator(stats).get(k, 0) - coordinator(stats_before).get(k, 0)
-                                               for k in ("idle_pauses", "join_repriced"))
+                                               for k in ("idle_pauses", "idle_repriced", "join_repriced"))
     return out
 
 
