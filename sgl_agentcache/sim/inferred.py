@@ -54,8 +54,10 @@ MAX_RETENTION_S = 600.0
 REOPEN_BLOCKS = 128
 
 
-def _opening_session(blocks) -> str:
-    return "c-" + hashlib.blake2b(b"".join(b.to_bytes(8, "little") for b in blocks), digest_size=12).hexdigest()
+def _opening_session(blocks, head: bytes = b"") -> str:
+    """The session id of a conversation opening with ``head`` (already encoded blocks) then ``blocks``."""
+    data = head + b"".join(b.to_bytes(8, "little") for b in blocks)
+    return "c-" + hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
 def block_turn(request: Request, block_tokens: int) -> ChatTurn:
@@ -74,8 +76,9 @@ def block_reopenings(turn: ChatTurn, request: Request) -> tuple[tuple[str, bytes
     leading, blocks = turn.leading_system, request.blocks
     stop = min(leading + 1 + REOPEN_BLOCKS, len(turn.fingerprints))
     later = range(leading + 1, stop)
+    stable = b"".join(b.to_bytes(8, "little") for b in blocks[:leading])  # every candidate's head: encoded once
     return reopening_candidates(turn.fingerprints[leading - 1] if leading else b"",
-                                [_opening_session(blocks[:leading] + [blocks[i]]) for i in later],
+                                [_opening_session([blocks[i]], stable) for i in later],
                                 [(blocks[i].to_bytes(8, "little"), blocks[i + 1].to_bytes(8, "little")) for i in later])
 
 
