@@ -50,6 +50,15 @@ def _stats(server) -> dict:
     return stats
 
 
+#: What the background idle sweep may change between two snapshots (it pauses, and prices again, the
+#: module's earlier branches as their idle time grows): left out where a test asserts nothing changed.
+SWEEP_FIELDS = ("coordinator", "pauses", "paused_tokens_by_priority", "protected_tokens", "evictable_tokens")
+
+
+def _unswept(stats: dict) -> dict:
+    return {key: value for key, value in stats.items() if key not in SWEEP_FIELDS}
+
+
 def _owned(stats, session) -> dict[str, int]:
     return {b["branch"]: b["owned_tokens"] for b in stats["branches"] if b["session"] == session}
 
@@ -105,7 +114,7 @@ def test_closing_is_idempotent_and_unknown_branches_are_404(server, tokens):
     before = _stats(server)
     status, body = server.request("POST", "/agentcache/branch/close", {"session": "idem", "branch": "never"})
     assert status == 404 and "unknown branch" in body["error"]
-    assert _stats(server) == before
+    assert _unswept(_stats(server)) == _unswept(before)
 
 
 def test_close_hint_and_abort_terminate_the_branch(server, tokens):
@@ -223,7 +232,7 @@ def test_malformed_close_requests_are_400(server, body):
     before = _stats(server)
     status, reply = server.request("POST", "/agentcache/branch/close", body)
     assert status == 400 and "error" in reply
-    assert _stats(server) == before
+    assert _unswept(_stats(server)) == _unswept(before)
 
 
 def test_openai_routes_take_the_hint_header(server):
@@ -238,7 +247,7 @@ def test_openai_routes_take_the_hint_header(server):
     status, body = server.request("POST", "/v1/completions", request,
                                   headers={"x-sgl-agentcache-hint": '{"session": 5}'})
     assert status == 400 and "session" in str(body)
-    assert _stats(server) == before
+    assert _unswept(_stats(server)) == _unswept(before)
 
 
 def test_a_hint_in_tracestate_is_taken_on_every_generation_route(server, tokens):
