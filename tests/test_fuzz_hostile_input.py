@@ -48,6 +48,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
+from server_checks import sweep_intervened, without_sweep
 
 from sgl_agentcache.hints import (
     ACTION_TYPE,
@@ -199,23 +200,6 @@ def settled_stats(server, timeout_s: float = 10.0) -> dict:
     while (doc := stats(server))["coordinator"].get("pending_pauses", 0) and time.monotonic() < deadline:
         time.sleep(0.05)
     return doc
-
-
-def _sweep_intervened(before: dict, after: dict) -> bool:
-    """The idle sweep fired between two snapshots (its pauses change the tree and counters by
-    design), so a diff between them cannot be blamed on the request in between."""
-    b, a = before["coordinator"], after["coordinator"]
-    swept = any(a.get(event) != b.get(event) for event in ("idle_pauses", "idle_repriced"))
-    return swept or a.get("pending_pauses", 0) > 0
-
-
-#: What the idle sweep's pauses change by design (advice only: the coordinator's counters, the pause
-#: book, and the tokens KEEP advice protects); the request path's effects are everywhere else.
-SWEEP_FIELDS = ("coordinator", "pauses", "protected_tokens", "evictable_tokens")
-
-
-def without_sweep(doc: dict) -> dict:
-    return {key: value for key, value in doc.items() if key not in SWEEP_FIELDS}
 
 
 def assert_server_healthy(server) -> None:
@@ -407,7 +391,7 @@ def check_reply(server, exp: Expect, send, *, needles: tuple[str, ...] = ()) -> 
         if before is None:
             break
         after = stats(server)
-        if not _sweep_intervened(before, after):
+        if not sweep_intervened(before, after):
             break
     note(f"-> {reply.status} {reply.body[:400]!r}")
     if exp.status == "2xx":
@@ -969,7 +953,7 @@ def test_invalid_only_run_changes_nothing(server, prompts):
     run()
     after = settled_stats(server)
     assert after["invalid_hints"] == before["invalid_hints"]
-    if _sweep_intervened(before, after):  # a long run: the sweep priced, or priced again, an idle branch
+    if sweep_intervened(before, after):  # a long run: the sweep priced, or priced again, an idle branch
         before, after = without_sweep(before), without_sweep(after)
     assert after == before
     assert_server_healthy(server)

@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from server_checks import SWEEP_FIELDS, sweep_intervened, without_sweep
 
 from sgl_agentcache.hints import lifecycle_envelope
 
@@ -50,13 +51,18 @@ def _stats(server) -> dict:
     return stats
 
 
-#: What the background idle sweep may change between two snapshots (it pauses, and prices again, the
-#: module's earlier branches as their idle time grows): left out where a test asserts nothing changed.
-SWEEP_FIELDS = ("coordinator", "pauses", "paused_tokens_by_priority", "protected_tokens", "evictable_tokens")
+#: What the idle sweep may move between two snapshots: its shared fields, and the paused tokens they
+#: sum to (it pauses, and prices again, the module's earlier branches as their idle time grows).
+SWEEP_STATS = SWEEP_FIELDS + ("paused_tokens_by_priority",)
 
 
-def _unswept(stats: dict) -> dict:
-    return {key: value for key, value in stats.items() if key not in SWEEP_FIELDS}
+def _compared_with(before: dict, server) -> tuple[dict, dict]:
+    """(``/agentcache/stats`` now, ``before``) as a nothing-changed check compares them: whole, or
+    without the idle sweep's fields when it fired between the two."""
+    after = _stats(server)
+    if sweep_intervened(before, after):
+        return without_sweep(after, SWEEP_STATS), without_sweep(before, SWEEP_STATS)
+    return after, before
 
 
 def _owned(stats, session) -> dict[str, int]:
@@ -114,7 +120,8 @@ def test_closing_is_idempotent_and_unknown_branches_are_404(server, tokens):
     before = _stats(server)
     status, body = server.request("POST", "/agentcache/branch/close", {"session": "idem", "branch": "never"})
     assert status == 404 and "unknown branch" in body["error"]
-    assert _unswept(_stats(server)) == _unswept(before)
+    after, before = _compared_with(before, server)
+    assert after == before
 
 
 def test_close_hint_and_abort_terminate_the_branch(server, tokens):
@@ -232,7 +239,8 @@ def test_malformed_close_requests_are_400(server, body):
     before = _stats(server)
     status, reply = server.request("POST", "/agentcache/branch/close", body)
     assert status == 400 and "error" in reply
-    assert _unswept(_stats(server)) == _unswept(before)
+    after, before = _compared_with(before, server)
+    assert after == before
 
 
 def test_openai_routes_take_the_hint_header(server):
@@ -247,7 +255,8 @@ def test_openai_routes_take_the_hint_header(server):
     status, body = server.request("POST", "/v1/completions", request,
                                   headers={"x-sgl-agentcache-hint": '{"session": 5}'})
     assert status == 400 and "session" in str(body)
-    assert _unswept(_stats(server)) == _unswept(before)
+    after, before = _compared_with(before, server)
+    assert after == before
 
 
 def test_a_hint_in_tracestate_is_taken_on_every_generation_route(server, tokens):
