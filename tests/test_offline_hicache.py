@@ -223,6 +223,61 @@ def test_a_leaf_longer_than_the_host_pool_keeps_its_head_on_host(kind):
     assert driver.cache.hicache_stats()["partial_backups"] == counts
 
 
+@pytest.mark.parametrize("kind", ["stock", "baseline-key", "agentcache"])
+def test_host_eviction_takes_only_the_tail_its_need_requires(kind):
+    """An 80-slot host pool holds a's 54 tokens; b's 54-token write-back needs 27 more slots. SGLang's
+    host eviction frees a's leaf whole; ours takes its 27-token tail and keeps the head, so a's next
+    call loads 27 tokens from host instead of recomputing everything. A replayed baseline's ranking
+    (``set_eviction_key``) keeps SGLang's whole-leaf eviction."""
+    driver = _driver("stock" if kind == "stock" else "agentcache", host_tokens=80)
+    if kind == "baseline-key":
+        driver.cache.set_eviction_key(lambda node, session_ref, base_priority: (base_priority,))
+    a, b, c, d = _prompts(4, seed=5)
+    for rid, prompt in (("a", a), ("b", b), ("c", c), ("d", d)):
+        _serve(driver, rid, prompt)
+    core = driver.cache.tree_core
+    trims = getattr(core, "host_trims", {"leaves": 0, "kept_tokens": 0})
+    again = _serve(driver, "a2", a + [9])
+    report = driver.check()
+    assert report.ok, report.errors
+    if kind != "agentcache":
+        assert trims == {"leaves": 0, "kept_tokens": 0} and again.cached_tokens == 0
+        return
+    assert trims == {"leaves": 1, "kept_tokens": 27}
+    assert again.host_loaded_length == 27 and again.cached_tokens == 27
+    assert driver.cache.hicache_stats()["host_trims"] == trims
+
+
+def test_host_tail_splits_whole_pages_and_keeps_the_heads_recency():
+    """``host_tail`` on a host-only leaf: a need of the whole leaf or more takes it whole; a smaller one
+    splits off a tail of that length, and the head keeps the leaf's LRU stamp, so it ranks as the leaf
+    did."""
+    from sgl_agentcache.server.scheduler.hicache_moves import host_tail
+
+    driver = _driver("agentcache", host_tokens=POOL * 2)
+    a, b, c = _prompts(3, seed=9)
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):  # a is pushed onto the host
+        _serve(driver, rid, prompt)
+    core = driver.cache.tree_core
+    while max(len(n.key) for n in core.evictable_host_leaves) < 40:  # decode's short leaves go first
+        driver.cache.evict_host(min(len(n.key) for n in core.evictable_host_leaves))
+    leaf = max(core.evictable_host_leaves, key=lambda n: len(n.key))
+    length, stamp, parent = len(leaf.key), leaf.last_access_time, leaf.parent
+    assert host_tail(core, leaf, 0) is leaf and host_tail(core, leaf, length) is leaf
+    assert host_tail(core, leaf, length + 5) is leaf
+    assert len(leaf.key) == length and leaf.parent is parent
+    tail = host_tail(core, leaf, 20)
+    assert tail is leaf and len(tail.key) == 20 and len(tail.component_data[0].host_value) == 20
+    head = tail.parent
+    assert head is not parent and head.parent is parent and len(head.key) == length - 20
+    assert head.last_access_time == stamp and head.evicted and head.backuped
+    assert core.host_trims == {"leaves": 1, "kept_tokens": length - 20}
+    assert driver.cache.evict_host(20) == 20 and core.host_trims["leaves"] == 1  # the tail goes first...
+    assert head in core.evictable_host_leaves  # ...and leaves the head a host leaf
+    report = driver.check()
+    assert report.ok, report.errors
+
+
 def test_head_len_keeps_whole_pages_of_the_room_only_when_the_leaf_does_not_fit():
     from sgl_agentcache.server.scheduler.hicache_moves import head_len
 

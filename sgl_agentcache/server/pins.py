@@ -70,6 +70,8 @@ PINS: tuple[Pin, ...] = (
     Pin(f"{_TREE}._evict_host_leaf", ("self", "node", "tracker", "device_frees", "host_frees", "cache_actions"),
         "a closed branch's host-only node is deleted from HiCache's host pool; host eviction's losses are "
         "counted for the learned host reuse rate"),
+    Pin(f"{_TREE}.drive_host_eviction", ("self", "component_type", "num_tokens"),
+        "host eviction is told its need, so that it takes only the tail of its last leaf (hicache_moves.host_tail)"),
     Pin(f"{_TREE}._delete_unbacked_device_leaf",
         ("self", "node", "tracker", "device_frees", "host_frees", "cache_actions"),
         "a closed branch's node is deleted on the device and in the host pool at once (never demoted)"),

@@ -207,8 +207,10 @@ class AgentRadixCache(UnifiedRadixCache):
         """Rank leaves for eviction with ``key(node, session_ref, base_priority) -> tuple`` (smallest
         goes first; ``base_priority`` is the configured policy's, LRU by default) instead of the
         lifecycle rank. For replayed baselines (``sgl_agentcache.sim.rankings``); None restores ours.
-        Called per candidate leaf on every eviction: keep it cheap and free of side effects."""
+        Called per candidate leaf on every eviction: keep it cheap and free of side effects. A baseline
+        also gets SGLang's whole-leaf host eviction (no tail trims, ``hicache_moves.host_tail``)."""
         self.eviction_key = self._lifecycle_key if key is None else key
+        self.tree_core.trim_host_tails = key is None
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
         if self.on_hicache and node.evicted:  # only HiCache's host eviction ranks host-only nodes
@@ -913,6 +915,7 @@ class AgentRadixCache(UnifiedRadixCache):
                 "host_tokens_by_class": counts, "storage_backend": bool(self.enable_storage),
                 "deleted": dict(self.hicache_deletes) | (self.l3.counters if self.l3 is not None else {}),
                 "partial_backups": dict(self.partial_backups),
+                "host_trims": dict(self.tree_core.host_trims),
                 # storage prefetches of paused branches (L3 -> host) whose reads have not finished
                 "storage_fetches_in_flight": sum(1 for h in getattr(self, "ongoing_prefetch", ())
                                                  if h.rid.startswith(FETCH_RID_PREFIX)),

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictDeviceLeafResult
 
 from sgl_agentcache.lifecycle import UNTAGGED_STATE, BranchKey, NodeState
+from sgl_agentcache.server.scheduler.hicache_moves import host_tail
 
 
 FULL = ComponentType.FULL
@@ -70,6 +71,12 @@ class AgentTreeCore(UnifiedTreeCore):
         # not lost). Tree facts, the same on every rank.
         self.host_loaded_tokens = 0
         self.host_lost_tokens = 0
+        # Host eviction drops only the tail a need requires of its last leaf (hicache_moves.host_tail);
+        # off for replayed baselines, which keep SGLang's whole-leaf eviction. The target is set only
+        # inside drive_host_eviction: every other host deletion (a close, a purge) takes whole nodes.
+        self.trim_host_tails = True
+        self.host_evict_target: Optional[int] = None
+        self.host_trims = {"leaves": 0, "kept_tokens": 0}
         super().__init__(params, components)
         # Read by every insert (_skip_locked_prefix); pins.py checks methods, not attributes, so a
         # rename in a later SGLang must stop the server here rather than at its first request.
@@ -92,7 +99,19 @@ class AgentTreeCore(UnifiedTreeCore):
         self.fresh = set()
         super().reset()
 
+    def drive_host_eviction(self, component_type, num_tokens):
+        """SGLang's host eviction, told how many tokens it must free (:meth:`_evict_host_leaf` reads
+        it to take only the tail of the last leaf it needs; see :func:`hicache_moves.host_tail`)."""
+        self.host_evict_target = num_tokens if component_type == FULL and self.trim_host_tails else None
+        try:
+            return super().drive_host_eviction(component_type, num_tokens)
+        finally:
+            self.host_evict_target = None
+
     def _evict_host_leaf(self, node, tracker, device_frees, host_frees, cache_actions) -> None:
+        target = self.host_evict_target
+        if target is not None and not node.agent.terminated:
+            node = host_tail(self, node, target - tracker[FULL])
         if not node.agent.terminated:
             host_value = node.component_data[FULL].host_value
             self.host_lost_tokens += len(host_value) if host_value is not None else 0
