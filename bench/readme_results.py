@@ -647,7 +647,7 @@ def _summary(body: dict) -> list[str]:
            f"half-width over {len(cfg['seeds'])} seeds ({len(cfg['real_seeds'])} for the real traces). "
            "\"vs best\": ours / the best other system on that workload (not the clairvoyant one), seed by seed, "
            "with its 95% CI; \"better\"/\"worse\" only where it excludes 1. \"ours, no client hints\": ours with "
-           "the lifecycle inferred from the calls (`AGENTCACHE_INFER=chat`), same pool and host tier. "
+           "the lifecycle inferred from the calls (chat inference, on by default), same pool and host tier. "
            "\"stock, infinite pool\": stock with a pool that never evicts; not a bound: "
            "with room for everything no call queues, so calls a tight pool holds back until a sibling has "
            "computed their shared prompt start at once and miss it (on `stable_prompts` write-back and ours "
@@ -693,7 +693,7 @@ def _sessions_summary(body: dict) -> list[str]:
                for other, label in ((SGLANG_HICACHE, "SGLang's HiCache"), (OURS, "explicit hints"))]
         parts.append(f"host {host:g}x: " + "; ".join(got))
     if parts:
-        out += ["Zero-config (`AGENTCACHE_INFER=chat`, no client hints) on the same sessions, recomputed tokens: "
+        out += ["Zero-config (chat inference, on by default; no client hints) on the same sessions, recomputed tokens: "
                 + " | ".join(parts) + ".", ""]
     own = {(c["host_ratio"], c["metric"]): c for c in body["comparisons"] if c["other"] == OWN_TIER}
     parts = [f"host {host:g}x: recompute {_session_cell(own.get((host, 'recomputed_tokens')))}, resume p99 "

@@ -1,8 +1,8 @@
 """Zero-config lifecycle for OpenAI-compatible chat clients (pure: stdlib only; no SGLang, no HTTP).
 
 Most agent harnesses send plain ``/v1/chat/completions`` requests with ``tools`` and ``tool_calls``
-and never add our hint header. With ``AGENTCACHE_INFER=chat`` the server infers a hint for each such
-request from the chat itself; an explicit hint (the header) always wins and is never mixed with an
+and never add our hint header. The server infers a hint for each such request from the chat itself (on
+by default with our backend; ``AGENTCACHE_INFER=off`` turns it off); an explicit hint (the header) always wins and is never mixed with an
 inferred one. This module holds the inference state and rules; ``server/front/chat_hooks.py`` feeds it the
 requests and carries out what it decides, and the replay (``sim/inferred.py``) drives the same class
 with a trace's block fingerprints for the "ours, inferred" row.

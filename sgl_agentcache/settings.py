@@ -64,7 +64,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     event_log: str | None = None  # a JSON-lines file of lifecycle events
 
     # ---- the HTTP front: chat inference, audit, observability ----
-    infer: Literal["", "off", "chat"] = ""  # "chat": infer hints for chat requests that carry none
+    # Chat inference (hints for chat requests that carry none): "" (unset) on where the server runs our
+    # backend, "chat" on, "off" off (infer_mode).
+    infer: Literal["", "off", "chat"] = ""
     infer_idle_s: Positive = 300.0  # an inferred branch idle this long is closed
     infer_learn_after: Annotated[int, Meta(ge=0, le=WINDOW)] = MIN_GAPS  # gaps before bounds are learned
     audit_log: str | None = None  # a JSON-lines file of refused hints and auth failures
@@ -95,9 +97,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         except msgspec.ValidationError as exc:
             raise SettingsError(_named(str(exc), raw)) from None
 
-    def infer_mode(self) -> str:
-        """The chat inference mode: "chat" or "" (off)."""
-        return "" if self.infer == "off" else self.infer
+    def infer_mode(self, backend_is_ours: bool = True) -> str:
+        """The chat inference mode, "chat" or "" (off). On by default where the server runs our backend
+        (``--radix-cache-backend agentcache``): on the 38 real Claude Code sessions it recomputes less
+        than SGLang's HiCache at every host size (issue #37). ``AGENTCACHE_INFER=off`` turns it off;
+        ``AGENTCACHE_INFER=chat`` keeps it on whatever the backend."""
+        if self.infer == "off":
+            return ""
+        return "chat" if self.infer == "chat" or backend_is_ours else ""
 
 
 def env_name(field: str) -> str:

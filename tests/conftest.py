@@ -76,14 +76,18 @@ def _shared_server(tiny_model, tmp_path_factory, name: str, env: dict, extra: tu
                          # priors for two tool classes (see tests/test_pauses_server.py).
                          "AGENTCACHE_PROFILE": "seed",
                          "AGENTCACHE_TOOL_PRIORS": json.dumps(TOOL_PRIORS),
-                         "AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl")} | env)
+                         "AGENTCACHE_EVENT_LOG": str(log.parent / "events.jsonl"),
+                         # Chat inference (on by default) closes idle conversations in the background, at
+                         # times no test controls, inside this server's whole-stats "nothing changed"
+                         # checks. It runs, in the defaults, on its own servers (test_chat_infer_server).
+                         "AGENTCACHE_INFER": "off"} | env)
     srv.event_log = log.parent / "events.jsonl"
     return srv
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
-    """The shared server, in the product's defaults (lazy pauses), device-only: no
+    """The shared server, in the product's defaults (lazy pauses) but chat inference, device-only: no
     ``--enable-hierarchical-cache``, so no host tier (what eviction takes is gone, as in stock SGLang)."""
     with _shared_server(tiny_model, tmp_path_factory, "server-log", {}).start() as srv:
         yield srv

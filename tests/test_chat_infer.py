@@ -365,3 +365,25 @@ def test_a_conversation_rewritten_before_its_first_user_message_closes_the_old_s
         assert turn(second, **keyed).reopenings == () or not keyed
         _, closed = assign(inf, NS, turn(second, **keyed), 2)
         assert closed == [] and inf.counters["rewritten_closes"] == 0, case
+
+
+def test_default_inference_switches_off_at_launch_unless_our_backend_serves(monkeypatch):
+    """On by default serves our backend only (a stock cache would not read the hints): the launch hook
+    (``topology``, which sees ``--radix-cache-backend``) switches it off for another backend, unless the
+    operator asked for it with ``AGENTCACHE_INFER=chat``."""
+    from sgl_agentcache.server.front import chat_hooks, shared
+
+    monkeypatch.setattr(chat_hooks, "state", ChatInference())
+    chat_hooks.bind_backend("agentcache")
+    assert chat_hooks.enabled()
+    monkeypatch.setattr(shared, "settings", Settings.from_env({"AGENTCACHE_INFER": "chat"}))
+    chat_hooks.bind_backend(None)
+    assert chat_hooks.enabled()
+    monkeypatch.setattr(shared, "settings", Settings())
+    from types import SimpleNamespace
+
+    from sgl_agentcache.server import topology
+
+    # What SGLang calls before it starts any process, for stock SGLang's radix cache (no backend flag).
+    topology._before_launch_subprocesses(object, server_args=SimpleNamespace(radix_cache_backend=None))
+    assert not chat_hooks.enabled() and chat_hooks.stats() == {"mode": "off"}

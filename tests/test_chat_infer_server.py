@@ -1,6 +1,6 @@
 """Zero-config lifecycle on a real CPU server: plain OpenAI chat traffic (the official ``openai``
-client, no hint header) gets sessions, stable prefixes, tool pauses and forks inferred
-(``AGENTCACHE_INFER=chat``).
+client, no hint header) gets sessions, stable prefixes, tool pauses and forks inferred (on by default
+with our backend; ``AGENTCACHE_INFER=off`` turns it off).
 
 A random-weight model emits a real tool call here because SGLang constrains it: ``tool_choice`` names
 the function, the ``qwen25`` tool-call parser's structural tag frames the call, ``strict`` puts the
@@ -9,7 +9,7 @@ argument schema (an enum) in the grammar, ``--constrained-json-disable-any-white
 That is xgrammar's CPU path, the same constrained decoding a GPU server runs.
 
 Two servers with the same pool and the same host tier (SGLang's HiCache, a host pool of half the
-device pool), inference on and off, take the same client traffic: an agent pauses on a long tool while
+device pool), inference on (the default) and off, take the same client traffic: an agent pauses on a long tool while
 one-shot chats churn both tiers; only with inference does its resume find its history.
 """
 
@@ -49,9 +49,9 @@ def _server(tiny_model, tmp_path_factory, name: str, infer: bool) -> CpuServer:
     log = tmp_path_factory.mktemp(name) / "sglang.log"
     env = {"AGENTCACHE_TOOL_PRIORS": json.dumps(PRIORS), "AGENTCACHE_PROFILE": "seed",
            "AGENTCACHE_MAX_RETENTION_S": "90"}
-    if infer:
-        env |= {"AGENTCACHE_INFER": "chat", "AGENTCACHE_INFER_IDLE_S": str(IDLE_S),
-                "AGENTCACHE_INFER_LEARN_AFTER": str(LEARN_AFTER)}
+    # Inference is on by default with our backend: the inferring server sets no AGENTCACHE_INFER.
+    env |= ({"AGENTCACHE_INFER_IDLE_S": str(IDLE_S), "AGENTCACHE_INFER_LEARN_AFTER": str(LEARN_AFTER)} if infer
+            else {"AGENTCACHE_INFER": "off"})
     return CpuServer(str(tiny_model.path), log_path=log, max_total_tokens=2048, context_length=2048,
                      extra_args=("--enable-cache-report", "--tool-call-parser", "qwen25",
                                  "--constrained-json-disable-any-whitespace", *HICACHE), env=env)

@@ -18,7 +18,16 @@ TENANCY_VARIABLES = {"AGENTCACHE_TENANTS", "AGENTCACHE_SECRET"}
 
 def test_unset_variables_keep_the_defaults():
     assert Settings.from_env({}) == Settings()
-    assert Settings().pause_mode == "lazy" and Settings().infer_mode() == ""
+    assert Settings().pause_mode == "lazy"
+
+
+def test_chat_inference_is_on_by_default_with_our_backend_only():
+    """Issue #37: zero-config inference beats SGLang's HiCache on the real sessions, so it runs unless
+    the operator turns it off; with another backend only when asked for (a stock cache ignores hints)."""
+    assert Settings().infer_mode() == "chat" and Settings().infer_mode(backend_is_ours=False) == ""
+    off, on = Settings.from_env({"AGENTCACHE_INFER": "off"}), Settings.from_env({"AGENTCACHE_INFER": "chat"})
+    assert off.infer_mode() == "" == off.infer_mode(backend_is_ours=False)
+    assert on.infer_mode() == "chat" == on.infer_mode(backend_is_ours=False)
 
 
 def test_each_variable_sets_its_field():

@@ -5,7 +5,7 @@
 - ``shared``          -- the process's one control channel, pause coordinator and settings.
 - ``routes``          -- the ``/agentcache/*`` routes on SGLang's FastAPI app.
 - ``ingress``         -- lifecycle hints validated at the front door (``kv_hints``, our header, ``tracestate``).
-- ``chat_hooks``      -- chat inference on SGLang's OpenAI chat route (``AGENTCACHE_INFER=chat``).
+- ``chat_hooks``      -- chat inference on SGLang's OpenAI chat route (on by default; ``AGENTCACHE_INFER``).
 - ``auth``            -- tenants: who a request is, which namespace it may touch.
 - ``coordinator``     -- tool pauses' clocks, learned latencies and deadlines (the scheduler reads no clock).
 - ``control_channel`` -- control ops batched to the schedulers, namespaces served in turn.

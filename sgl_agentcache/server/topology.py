@@ -15,6 +15,8 @@ Checked by a BEFORE hook on ``Engine._launch_subprocesses``, which both ``sglang
 in-process ``sglang.Engine`` go through before any process starts (PP again in the backend factory, for a
 scheduler built any other way). Only deployments that use this
 plugin are refused: the ``agentcache`` backend, or tenancy (``AGENTCACHE_TENANTS``) for the workers.
+The same hook tells chat inference which backend runs (on by default with ours only:
+``chat_hooks.bind_backend``).
 """
 
 from __future__ import annotations
@@ -64,7 +66,11 @@ def check(server_args) -> None:
 
 
 def _before_launch_subprocesses(engine_class, *args, **kwargs):
-    check(kwargs["server_args"] if "server_args" in kwargs else args[0])
+    from sgl_agentcache.server.front import chat_hooks
+
+    server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
+    check(server_args)
+    chat_hooks.bind_backend(getattr(server_args, "radix_cache_backend", None))
     return None
 
 

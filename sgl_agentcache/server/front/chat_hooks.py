@@ -1,4 +1,5 @@
-"""Chat inference wired into SGLang's OpenAI chat route (HTTP process; ``AGENTCACHE_INFER=chat``).
+"""Chat inference wired into SGLang's OpenAI chat route (HTTP process; on by default with our backend,
+``AGENTCACHE_INFER=off`` turns it off).
 
 The rules live in :mod:`sgl_agentcache.chat_infer`; this module is the SGLang coupling:
 
@@ -379,8 +380,10 @@ def stats(namespace: str | None = None) -> dict:
 
 
 def install() -> None:
-    """Register the chat hooks when ``AGENTCACHE_INFER=chat`` (HTTP process). An unknown mode or a
-    changed SGLang (a pinned method gone or changed) raises, naming what changed."""
+    """Register the chat hooks unless ``AGENTCACHE_INFER=off`` (HTTP process); :func:`bind_backend`
+    switches them off again at launch where the server does not run our backend and the operator did
+    not ask for inference (``AGENTCACHE_INFER=chat``). An unknown mode or a changed SGLang (a pinned
+    method gone or changed) raises, naming what changed."""
     global state
     settings = shared.settings
     if settings.infer_mode() != "chat":
@@ -396,4 +399,17 @@ def install() -> None:
     logger.info("agentcache: chat inference on (idle close after %.0f s)", state.idle_s)
 
 
-__all__ = ["claim_inferred", "enabled", "infer", "install", "stats"]
+def bind_backend(radix_cache_backend: str | None) -> None:
+    """At launch, once the server's ``--radix-cache-backend`` is known: inference on by default serves
+    our backend only (a stock cache would not read its hints), so elsewhere it is switched off unless
+    ``AGENTCACHE_INFER=chat`` asked for it."""
+    global state
+    from sgl_agentcache import BACKEND_NAME
+
+    if state is not None and shared.settings.infer_mode(radix_cache_backend == BACKEND_NAME) != "chat":
+        state = None
+        logger.info("agentcache: chat inference off (--radix-cache-backend %s is not %s)",
+                    radix_cache_backend, BACKEND_NAME)
+
+
+__all__ = ["bind_backend", "claim_inferred", "enabled", "infer", "install", "stats"]
