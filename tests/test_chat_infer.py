@@ -387,3 +387,20 @@ def test_default_inference_switches_off_at_launch_unless_our_backend_serves(monk
     # What SGLang calls before it starts any process, for stock SGLang's radix cache (no backend flag).
     topology._before_launch_subprocesses(object, server_args=SimpleNamespace(radix_cache_backend=None))
     assert not chat_hooks.enabled() and chat_hooks.stats() == {"mode": "off"}
+
+
+def test_hooks_switched_off_at_launch_start_no_sweeper(monkeypatch):
+    """With inference switched off by ``bind_backend`` the chat hooks stay registered but inert: a chat
+    request passes through and no idle sweeper (which reads the inference state) is started."""
+    import asyncio
+
+    from sgl_agentcache.server.front import chat_hooks
+
+    monkeypatch.setattr(chat_hooks, "state", None)
+    monkeypatch.setattr(chat_hooks, "_sweeper", None)
+
+    async def handler(serving, adapted, request, raw_request):
+        return "reply"
+
+    reply = asyncio.run(chat_hooks._around_non_streaming(handler, object(), object(), object()))
+    assert reply == "reply" and chat_hooks._sweeper is None

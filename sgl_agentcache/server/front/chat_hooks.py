@@ -359,6 +359,8 @@ async def _sweep_forever() -> None:
 
 def _start_sweeper() -> None:
     global _sweeper
+    if state is None:  # switched off at launch (bind_backend): the hooks stay registered, inert
+        return
     if _sweeper is None or _sweeper.done():
         _sweeper = asyncio.get_running_loop().create_task(_sweep_forever())
 
