@@ -36,11 +36,14 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 class Lazy:
-    """``host``: HiCache's host pool in tokens (None: no host tier)."""
+    """``host``: HiCache's host pool in tokens (None: no host tier). ``device_tails=False``: our device
+    eviction frees whole leaves, as SGLang's does, so a branch pushed off the device reaches the host
+    whole (tests of host-side ranking whose arithmetic needs that; ``leaf_tails``)."""
 
-    def __init__(self, pool: int = 1024, host: int | None = 4096):
+    def __init__(self, pool: int = 1024, host: int | None = 4096, device_tails: bool = True):
         self.cache = build_offline_cache(pool_tokens=pool,
                                          hicache=OfflineHiCache(host) if host is not None else None)
+        self.cache.tree_core.trim_device_tails = device_tails
         assert self.cache.pauses.settings.lazy  # the default
         # Decisions priced as the seed profile's deployment (36 KiB per token), not the 8-byte test pool.
         self.cache.pauses.settings.bytes_per_token = 36 * 1024
@@ -141,7 +144,7 @@ def test_an_idle_pauses_advice_never_lifts_its_host_copies_over_others():
     OFFLOAD advice still protects."""
     from sgl_agentcache.policy.idle import IDLE_CLASS
 
-    h = Lazy(pool=1024, host=900)
+    h = Lazy(pool=1024, host=900, device_tails=False)
     h.turn(ids(2, 400), "idle")
     h.turn(ids(3, 400), "tool")
     assert h.pause("idle", LONG, tool_class=IDLE_CLASS, elapsed_s=3000.0)["action"] == "offload"
@@ -156,7 +159,7 @@ def test_an_idle_pauses_advice_never_lifts_its_host_copies_over_others():
 def test_discard_advice_goes_first_from_hicaches_host_pool():
     """``early`` (500 tokens, ordinary) goes to host first, then ``gone`` (300 tokens, advised DISCARD):
     when the host pool needs room, gone's copy is dropped, although early's is older."""
-    h = Lazy(pool=1024, host=1000)
+    h = Lazy(pool=1024, host=1000, device_tails=False)
     h.turn(ids(3, 500), "early")
     h.turn(ids(4, 300), "gone")
     settings = h.cache.pauses.settings
@@ -210,7 +213,7 @@ def test_a_deadline_releases_every_tier_and_a_prefetch_loads_back_into_free_memo
 def test_a_prefetch_that_would_save_nothing_is_refused_and_counted_as_such():
     """Where re-prefilling is cheaper than reloading, a prefetch is refused as "no gain", not as "no
     room": the room is there (and nothing moves)."""
-    h = Lazy(pool=1024, host=4096)
+    h = Lazy(pool=1024, host=4096, device_tails=False)
     h.turn(ids(6, 300), "soon")
     h.pause("soon", LONG, tool_class="ci_run")
     for k in range(2):
@@ -232,7 +235,7 @@ def test_a_prefetch_that_would_save_nothing_is_refused_and_counted_as_such():
 
 def test_a_prefetch_without_room_in_free_memory_is_refused():
     """A prefetch never evicts: with the device full of other (unlocked) KV it is refused for room."""
-    h = Lazy(pool=1024, host=4096)
+    h = Lazy(pool=1024, host=4096, device_tails=False)
     h.turn(ids(6, 300), "soon")
     h.pause("soon", LONG, tool_class="ci_run")
     for k in range(2):
@@ -303,7 +306,7 @@ def test_a_fork_advised_offload_keeps_its_host_copy_below_its_over_quota_lead():
 def test_over_quota_beats_offload_advice_on_host():
     """OFFLOAD advice does not protect what a branch holds on host over its quota: its host copies rank
     first (TRIM); host tokens count toward the quota (``branch_tokens``)."""
-    h = Lazy(pool=1024, host=4096)
+    h = Lazy(pool=1024, host=4096, device_tails=False)
     h.turn(ids(16, 600), "big")
     big = BranchKey(NS, "big", "main")
     assert h.pause("big", LONG, tool_class="ci_run")["action"] == "offload"
@@ -323,7 +326,7 @@ def test_over_quota_beats_offload_advice_on_host():
 def test_a_prefetch_is_judged_by_its_own_path_not_by_the_branchs_other_resident_tokens():
     """A prefetched tail evicted again before the resume is a wasted prefetch, even though the branch
     still has as many other tokens on the device as the prefetch brought."""
-    h = Lazy(pool=1024, host=4096)
+    h = Lazy(pool=1024, host=4096, device_tails=False)
     head, tail = ids(20, 400), ids(21, 200)
     h.turn(head, "a")
     h.turn(head + [7] + tail, "a")  # two nodes: head (kept below) and tail (the leaf eviction takes)

@@ -248,6 +248,80 @@ def test_host_eviction_takes_only_the_tail_its_need_requires(kind):
     assert driver.cache.hicache_stats()["host_trims"] == trims
 
 
+def _serve_session(driver: OfflineDriver, rid: str, prompt: list[int], session: str | None):
+    """One call of ``session`` (its own branch, ``main``; None: untagged): prompt, 4 decoded tokens."""
+    from sgl_agentcache.hints import lifecycle_envelope
+
+    hint = lifecycle_envelope({"session": session}, message_id=rid) if session else None
+    req = driver.admit(rid, prompt, kv_hints=hint, extra_key="t", budget=4)
+    driver.extend(req, [7] * 4, batched_decode=True)
+    driver.finish(req)
+    return req
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["hicache", "no-host"])
+@pytest.mark.parametrize("kind", ["stock", "baseline-key", "untagged", "agentcache"])
+def test_device_eviction_takes_only_the_tail_of_a_session_leaf_its_need_requires(kind, host):
+    """The 128-slot pool holds sessions a's and b's 54 tokens; c's 54 need 34 more slots. SGLang evicts
+    a's leaf whole (written back to host, or deleted without a host tier); ours takes only the tails c's
+    allocations require and keeps a 22-token head of a's history on the device, so a's next call finds
+    it there and loads only the rest from host (or recomputes only the rest). A replayed baseline's
+    ranking (``set_eviction_key``) and untagged traffic keep SGLang's whole-leaf eviction."""
+    hicache = OfflineHiCache(POOL, "write_back") if host else None
+    driver = OfflineDriver(build_offline_cache(pool_tokens=POOL, stock=kind == "stock", hicache=hicache))
+    if kind == "baseline-key":
+        driver.cache.set_eviction_key(lambda node, session_ref, base_priority: (base_priority,))
+    a, b, c = _prompts(3, seed=5)
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        _serve_session(driver, rid, prompt, None if kind == "untagged" else rid)
+    trims = getattr(driver.cache.tree_core, "device_trims", {"leaves": 0, "kept_tokens": 0})
+    again = _serve_session(driver, "a2", a + [9], None if kind == "untagged" else "a")
+    report = driver.check()
+    assert report.ok, report.errors
+    on_device = again.cached_tokens - again.host_loaded_length
+    if kind != "agentcache":
+        assert trims == {"leaves": 0, "kept_tokens": 0} and on_device == 0
+        assert again.cached_tokens == (PROMPT if host else 0)
+        return
+    assert trims["leaves"] >= 1 and on_device == 22
+    assert again.cached_tokens == (PROMPT if host else 22)
+    assert driver.cache.agent_stats()["device_trims"] == driver.cache.tree_core.device_trims
+
+
+def test_a_requested_eviction_takes_that_many_tokens_off_the_tail_of_a_session_leaf():
+    """``evict(n)`` (SGLang's own calls, e.g. a retract) frees n tokens, not whole leaves: here a
+    session's 3-token decode leaf goes whole, then 2 tokens off the tail of the prompt's node it
+    exposed; the 48-token head stays on the device and the session's next call finds it. A need of the
+    whole leaf or more, or none, splits nothing."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sgl_agentcache.server.scheduler.leaf_tails import device_tail
+
+    driver = OfflineDriver(build_offline_cache(pool_tokens=POOL))
+    cache, core = driver.cache, driver.cache.tree_core
+    prompts = dict(zip("ab", _prompts(2, seed=7)))
+    for session, prompt in prompts.items():
+        _serve_session(driver, session, prompt, session)
+    before = set(core.evictable_device_leaves)
+    free = cache.token_to_kv_pool_allocator.available_size()
+    assert cache.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 5
+    assert cache.token_to_kv_pool_allocator.available_size() == free + 5
+    assert core.device_trims == {"leaves": 1, "kept_tokens": PROMPT - 2}
+    (head,) = set(core.evictable_device_leaves) - before  # what is left of the prompt's node
+    assert len(head.key) == PROMPT - 2
+    session = head.agent.owner.session
+    assert list(head.key.token_ids) == prompts[session][:PROMPT - 2]
+    for need in (PROMPT - 2, PROMPT + 3, 0):  # a need of the whole leaf or more, or none
+        assert device_tail(core, head, need) is head and len(head.key) == PROMPT - 2
+    core.trim_device_tails = False
+    assert device_tail(core, head, 3) is head and len(head.key) == PROMPT - 2
+    core.trim_device_tails = True
+    assert core.device_trims["leaves"] == 1
+    assert _serve_session(driver, "again", prompts[session] + [9], session).cached_tokens == PROMPT - 2
+    report = driver.check()
+    assert report.ok, report.errors
+
+
 def test_host_tail_splits_whole_pages_and_keeps_the_heads_recency():
     """``host_tail`` on a host-only leaf: a need of the whole leaf or more takes it whole; a smaller one
     splits off a tail of that length, and the head keeps the leaf's LRU stamp, so it ranks as the leaf
@@ -419,6 +493,7 @@ def test_closing_a_branch_deletes_its_host_copies_and_a_closed_branch_is_never_b
 
     driver = OfflineDriver(build_offline_cache(pool_tokens=300, max_reqs=8, hicache=OfflineHiCache(2000)))
     cache = driver.cache
+    cache.tree_core.trim_device_tails = False  # the flood pushes w1's whole leaf to host (leaf_tails)
     owner = BranchKey(namespace_key(None, None), "s", "w1")
     hint = {"session": "s", "branch": "w1"}
     prompt = list(range(10, 160))
@@ -454,6 +529,7 @@ def test_a_close_that_keeps_the_cache_untags_the_branch_on_every_tier_and_it_sti
 
     driver = OfflineDriver(build_offline_cache(pool_tokens=300, max_reqs=8, hicache=OfflineHiCache(2000)))
     cache = driver.cache
+    cache.tree_core.trim_device_tails = False  # the flood pushes w1's whole leaf to host (leaf_tails)
     owner = BranchKey(namespace_key(None, None), "s", "w1")
     hint = {"session": "s", "branch": "w1"}
     _hinted(driver, "w0", list(range(10, 110)), hint)

@@ -51,6 +51,7 @@ from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.idle import IDLE_CLASS
 from sgl_agentcache.policy.retention import Band, RetentionModel, device_rank, host_band, learned_rate
 from sgl_agentcache.server.scheduler.integrity import IntegrityReport, check_tree
+from sgl_agentcache.server.scheduler.leaf_tails import device_tail
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
 from sgl_agentcache.server.scheduler.hicache_moves import (FETCH_RID_PREFIX, back_up_head, end_storage_fetch,
                                                            fetch_from_storage, host_evictable_tokens)
@@ -117,6 +118,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.freed_on_close_tokens = 0
         self.kept_on_close_tokens = 0  # closes that kept the KV as untagged cache (inferred closes)
         self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
+        self._device_need = None  # inside a device eviction walk: what it must free (_evict_components)
         self.invalid_hints = 0
         self.adopted_tokens = 0  # siblings' scratch a request reused, made the session's history
         self.inferred_orphans = 0  # inferred forks run without their parent (it was unknown or closed)
@@ -208,9 +210,9 @@ class AgentRadixCache(UnifiedRadixCache):
         goes first; ``base_priority`` is the configured policy's, LRU by default) instead of the
         lifecycle rank. For replayed baselines (``sgl_agentcache.sim.rankings``); None restores ours.
         Called per candidate leaf on every eviction: keep it cheap and free of side effects. A baseline
-        also gets SGLang's whole-leaf host eviction (no tail trims, ``hicache_moves.host_tail``)."""
+        also gets SGLang's whole-leaf eviction on both tiers (no tail trims, ``leaf_tails``)."""
         self.eviction_key = self._lifecycle_key if key is None else key
-        self.tree_core.trim_host_tails = key is None
+        self.tree_core.trim_host_tails = self.tree_core.trim_device_tails = key is None
 
     def _lifecycle_key(self, node, session_ref: int, base_priority) -> tuple:
         if self.on_hicache and node.evicted:  # only HiCache's host eviction ranks host-only nodes
@@ -774,9 +776,39 @@ class AgentRadixCache(UnifiedRadixCache):
         self.storage_existence_cache.pool(PoolName.KV).invalidate_beyond(pages, 0)
         self.l3.delete(pages)
 
+    def _evict_components(self, request_by_type, tracker, available_size_targets=None, *,
+                          allocation_reclaim_satisfied=None):
+        """SGLang's device eviction walk, remembering what it must free so that its last victim gives up
+        only the tail that requires (:meth:`_device_need_left`, ``leaf_tails.device_tail``)."""
+        # A walk under an allocator's own predicate does not say how much is left: whole leaves there.
+        self._device_need = None if allocation_reclaim_satisfied is not None else (
+            request_by_type.get(FULL, 0), (available_size_targets or {}).get(FULL))
+        try:
+            return super()._evict_components(request_by_type, tracker, available_size_targets,
+                                             allocation_reclaim_satisfied=allocation_reclaim_satisfied)
+        finally:
+            self._device_need = None
+
+    def _device_need_left(self, tracker) -> int | None:
+        """Device tokens the running eviction walk still has to free (None: unknown, or no walk): to its
+        target of free slots for an allocation (``evict_for_alloc``), else to its requested count."""
+        need = self._device_need
+        if need is None:
+            return None
+        requested, target = need
+        if target is None:
+            return requested - tracker[FULL]
+        component, size = target
+        return size - self._component_available_size(FULL) if component == FULL else None
+
     def _evict_device_leaf(self, node_id, tracker):
         """Stock eviction of one leaf (memory pressure), counting what an over-quota branch loses (its
-        nodes rank first); on HiCache :meth:`_evict_device_leaf_on_hicache`."""
+        nodes rank first); on HiCache :meth:`_evict_device_leaf_on_hicache`. A leaf longer than what
+        the walk still needs gives up only that tail (``leaf_tails.device_tail``: the tail keeps the
+        node id, its head stays)."""
+        need = self._device_need_left(tracker)
+        if need is not None:
+            device_tail(self.tree_core, self.tree_core.node_by_id(node_id), need)
         if self.on_hicache:
             return self._evict_device_leaf_on_hicache(node_id, tracker)
         node = self.tree_core.node_by_id(node_id)
@@ -888,6 +920,7 @@ class AgentRadixCache(UnifiedRadixCache):
             "kept_on_close_tokens": self.kept_on_close_tokens,
             "terminated_pending_tokens": sum(len(n.key) for n in core.terminated),
             "quota_trimmed_tokens": self.quota_trimmed_tokens,
+            "device_trims": dict(self.tree_core.device_trims),  # eviction split a leaf and kept its head
             "over_quota_branches": sum(self.over_quota(b) for b in core.owner_index),
             "invalid_hints": self.invalid_hints,
             "inferred_orphans": self.inferred_orphans,

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
+from sgl_agentcache.server.scheduler.leaf_tails import split_tail
+
 FULL = ComponentType.FULL
 
 
@@ -93,26 +95,15 @@ def back_up_head(cache, node, tracker) -> bool:
 def host_tail(core, node, need: int):
     """The part of host leaf ``node`` that host eviction should take when ``need`` more tokens must be
     freed: ``node`` itself when it is not longer than that (rounded up to whole pages), else its tail of
-    that length, split off so that its head stays on host. Returns the node to evict (the tail keeps
-    ``node``'s identity; the head is a new node that keeps ``node``'s recency, so it ranks as ``node``
-    did and goes next if more room is wanted).
+    that length, split off so that its head stays on host (:func:`leaf_tails.split_tail`: the tail keeps
+    ``node``'s identity, the head its recency, so it ranks as ``node`` did and goes next if more room is
+    wanted).
 
     Why: SGLang's host eviction frees whole leaves, and a leaf is often a whole conversation turn.
     A resume reads a prefix, so the head of a history is worth as much without its tail: measured on
     the real Claude Code mix (host 0.5x of the pool), a subagent's 268-token write-back took a
     neighbour's whole 1,526-token idle history off host, and its user came back to recompute it."""
-    page = core.page_size
-    take = -(-max(need, 0) // page) * page
-    length = len(node.key)
-    if take <= 0 or length - take < page:
-        return node
-    stamp = node.last_access_time
-    head, action = core._split_node(node.key, node, length - take)
-    assert action is None, "a host-only leaf has no backup in flight"
-    head.last_access_time = stamp  # a split is not an access
-    core.host_trims["leaves"] += 1
-    core.host_trims["kept_tokens"] += length - take
-    return node
+    return split_tail(core, node, need, core.host_trims)
 
 
 def host_evictable_tokens(cache, *, below=None) -> int:

@@ -71,12 +71,15 @@ class AgentTreeCore(UnifiedTreeCore):
         # not lost). Tree facts, the same on every rank.
         self.host_loaded_tokens = 0
         self.host_lost_tokens = 0
-        # Host eviction drops only the tail a need requires of its last leaf (hicache_moves.host_tail);
-        # off for replayed baselines, which keep SGLang's whole-leaf eviction. The target is set only
-        # inside drive_host_eviction: every other host deletion (a close, a purge) takes whole nodes.
+        # Eviction drops only the tail a need requires of its last leaf, on host (hicache_moves.host_tail)
+        # and device (leaf_tails.device_tail); off for replayed baselines, which keep SGLang's whole-leaf
+        # eviction. The host target is set only inside drive_host_eviction: every other host deletion
+        # (a close, a purge) takes whole nodes.
         self.trim_host_tails = True
+        self.trim_device_tails = True
         self.host_evict_target: Optional[int] = None
         self.host_trims = {"leaves": 0, "kept_tokens": 0}
+        self.device_trims = {"leaves": 0, "kept_tokens": 0}
         super().__init__(params, components)
         # Read by every insert (_skip_locked_prefix); pins.py checks methods, not attributes, so a
         # rename in a later SGLang must stop the server here rather than at its first request.
