@@ -779,7 +779,7 @@ class AgentRadixCache(UnifiedRadixCache):
     def _evict_components(self, request_by_type, tracker, available_size_targets=None, *,
                           allocation_reclaim_satisfied=None):
         """SGLang's device eviction walk, remembering what it must free so that its last victim gives up
-        only the tail that requires (:meth:`_device_need_left`, ``leaf_tails.device_tail``)."""
+        only the tail that need requires (:meth:`_device_need_left`, ``leaf_tails.device_tail``)."""
         # A walk under an allocator's own predicate does not say how much is left: whole leaves there.
         self._device_need = None if allocation_reclaim_satisfied is not None else (
             request_by_type.get(FULL, 0), (available_size_targets or {}).get(FULL))
