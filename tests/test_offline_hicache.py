@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from sgl_agentcache.hints import lifecycle_envelope
 from sgl_agentcache.policy.profiles import PROFILES
 from sgl_agentcache.server.scheduler.cache import AgentRadixCache
 from sgl_agentcache.server.scheduler.hicache_moves import host_evictable_tokens
@@ -37,8 +38,10 @@ def _driver(kind: str, write_policy: str = "write_back", host_tokens: int = POOL
     return OfflineDriver(cache)
 
 
-def _serve(driver: OfflineDriver, rid: str, prompt: list[int], budget: int = 4):
-    req = driver.admit(rid, prompt, extra_key="t", budget=budget)
+def _serve(driver: OfflineDriver, rid: str, prompt: list[int], budget: int = 4, session: str | None = None):
+    """One call: prompt, 4 decoded tokens; with ``session``, hinted as that session's (branch ``main``)."""
+    hint = lifecycle_envelope({"session": session}, message_id=rid) if session else None
+    req = driver.admit(rid, prompt, kv_hints=hint, extra_key="t", budget=budget)
     driver.extend(req, [7] * 4, batched_decode=True)
     driver.finish(req)
     return req
@@ -248,17 +251,6 @@ def test_host_eviction_takes_only_the_tail_its_need_requires(kind):
     assert driver.cache.hicache_stats()["host_trims"] == trims
 
 
-def _serve_session(driver: OfflineDriver, rid: str, prompt: list[int], session: str | None):
-    """One call of ``session`` (its own branch, ``main``; None: untagged): prompt, 4 decoded tokens."""
-    from sgl_agentcache.hints import lifecycle_envelope
-
-    hint = lifecycle_envelope({"session": session}, message_id=rid) if session else None
-    req = driver.admit(rid, prompt, kv_hints=hint, extra_key="t", budget=4)
-    driver.extend(req, [7] * 4, batched_decode=True)
-    driver.finish(req)
-    return req
-
-
 @pytest.mark.parametrize("host", [True, False], ids=["hicache", "no-host"])
 @pytest.mark.parametrize("kind", ["stock", "baseline-key", "untagged", "agentcache"])
 def test_device_eviction_takes_only_the_tail_of_a_session_leaf_its_need_requires(kind, host):
@@ -273,9 +265,9 @@ def test_device_eviction_takes_only_the_tail_of_a_session_leaf_its_need_requires
         driver.cache.set_eviction_key(lambda node, session_ref, base_priority: (base_priority,))
     a, b, c = _prompts(3, seed=5)
     for rid, prompt in (("a", a), ("b", b), ("c", c)):
-        _serve_session(driver, rid, prompt, None if kind == "untagged" else rid)
+        _serve(driver, rid, prompt, session=None if kind == "untagged" else rid)
     trims = getattr(driver.cache.tree_core, "device_trims", {"leaves": 0, "kept_tokens": 0})
-    again = _serve_session(driver, "a2", a + [9], None if kind == "untagged" else "a")
+    again = _serve(driver, "a2", a + [9], session=None if kind == "untagged" else "a")
     report = driver.check()
     assert report.ok, report.errors
     on_device = again.cached_tokens - again.host_loaded_length
@@ -301,7 +293,7 @@ def test_a_requested_eviction_takes_that_many_tokens_off_the_tail_of_a_session_l
     cache, core = driver.cache, driver.cache.tree_core
     prompts = dict(zip("ab", _prompts(2, seed=7)))
     for session, prompt in prompts.items():
-        _serve_session(driver, session, prompt, session)
+        _serve(driver, session, prompt, session=session)
     before = set(core.evictable_device_leaves)
     free = cache.token_to_kv_pool_allocator.available_size()
     assert cache.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 5
@@ -317,7 +309,7 @@ def test_a_requested_eviction_takes_that_many_tokens_off_the_tail_of_a_session_l
     assert device_tail(core, head, 3) is head and len(head.key) == PROMPT - 2
     core.trim_device_tails = True
     assert core.device_trims["leaves"] == 1
-    assert _serve_session(driver, "again", prompts[session] + [9], session).cached_tokens == PROMPT - 2
+    assert _serve(driver, "again", prompts[session] + [9], session=session).cached_tokens == PROMPT - 2
     report = driver.check()
     assert report.ok, report.errors
 

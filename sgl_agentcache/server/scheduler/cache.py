@@ -806,12 +806,12 @@ class AgentRadixCache(UnifiedRadixCache):
         nodes rank first); on HiCache :meth:`_evict_device_leaf_on_hicache`. A leaf longer than what
         the walk still needs gives up only that tail (``leaf_tails.device_tail``: the tail keeps the
         node id, its head stays)."""
+        node = self.tree_core.node_by_id(node_id)
         need = self._device_need_left(tracker)
         if need is not None:
-            device_tail(self.tree_core, self.tree_core.node_by_id(node_id), need)
+            device_tail(self.tree_core, node, need)
         if self.on_hicache:
             return self._evict_device_leaf_on_hicache(node_id, tracker)
-        node = self.tree_core.node_by_id(node_id)
         state = node.agent
         if state.owner is not None and not state.terminated and self.over_quota(state.owner):
             self.quota_trimmed_tokens += len(node.key)

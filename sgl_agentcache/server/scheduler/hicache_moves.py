@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sgl_agentcache.server.scheduler.leaf_tails import split_tail
+from sgl_agentcache.server.scheduler.leaf_tails import settled, split_tail
 
 FULL = ComponentType.FULL
 
@@ -39,9 +39,7 @@ def _subtree_unlocked(node) -> bool:
     stack = [node]
     while stack:
         cur = stack.pop()
-        if cur.write_through_pending_id is not None or cur.load_back_pending_id is not None:
-            return False
-        if any(cd.lock_ref > 0 or cd.host_lock_ref > 0 for cd in cur.component_data):
+        if not settled(cur):
             return False
         stack.extend(cur.children.values())
     return True

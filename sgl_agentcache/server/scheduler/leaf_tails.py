@@ -43,14 +43,17 @@ def split_tail(core, node, need: int, counts: dict):
     return node
 
 
+def settled(node) -> bool:
+    """No lock, host lock, load or pending write on ``node`` itself (what SGLang's moves wait for)."""
+    if node.write_through_pending_id is not None or node.load_back_pending_id is not None:
+        return False
+    return not any(cd.lock_ref > 0 or cd.host_lock_ref > 0 for cd in node.component_data)
+
+
 def device_tail(core, node, need: int):
     """The part of device leaf ``node`` (the eviction walk's victim) that eviction should take when
     ``need`` more device tokens must be freed (see the module docstring). Returns ``node``."""
     state = node.agent
-    if not core.trim_device_tails or state.owner is None or state.terminated:
-        return node
-    if node.write_through_pending_id is not None or node.load_back_pending_id is not None:
-        return node
-    if any(cd.lock_ref > 0 or cd.host_lock_ref > 0 for cd in node.component_data):
+    if not core.trim_device_tails or state.owner is None or state.terminated or not settled(node):
         return node
     return split_tail(core, node, need, core.device_trims)
