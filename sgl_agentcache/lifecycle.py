@@ -52,6 +52,10 @@ class BranchKey(NamedTuple):
 
 class NodeState(NamedTuple):
     """Per-node agent state. ``owner`` is the branch charged for the node's tokens (None: shared).
+    ``kept``: untagged KV that a close the server only guessed kept as cache (chat inference's idle
+    close, ``AgentRadixCache.close_branch(keep_cached=True)``); it ranks as any untagged node, but it is
+    the server's own guess, not traffic that sent no hints, so its device leaves may lose only a tail
+    under pressure as a branch's do (``leaf_tails.device_tail``).
 
     Immutable, so one state is shared by every node an insert creates (no copy per node); a node's
     state is replaced, never edited. A named tuple, built in C: plans make two per request.
@@ -60,6 +64,7 @@ class NodeState(NamedTuple):
     cls: NodeClass = NodeClass.UNTAGGED
     owner: BranchKey | None = None
     terminated: bool = False
+    kept: bool = False
 
     def ended(self) -> "NodeState":
         """The same state with its branch ended."""
@@ -69,6 +74,9 @@ class NodeState(NamedTuple):
 #: The one state every node is born with, and that of every node a request without a lifecycle hint
 #: inserts (states are immutable, so one value serves them all).
 UNTAGGED_STATE = NodeState()
+
+#: The state of KV that a guessed close kept as cache (see ``NodeState.kept``).
+KEPT_ON_CLOSE_STATE = NodeState(kept=True)
 
 
 class InsertPlan:

@@ -252,32 +252,42 @@ def test_host_eviction_takes_only_the_tail_its_need_requires(kind):
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["hicache", "no-host"])
-@pytest.mark.parametrize("kind", ["stock", "baseline-key", "untagged", "agentcache"])
+@pytest.mark.parametrize("kind", ["stock", "baseline-key", "untagged", "agentcache", "kept-on-close"])
 def test_device_eviction_takes_only_the_tail_of_a_session_leaf_its_need_requires(kind, host):
     """The 128-slot pool holds sessions a's and b's 54 tokens; c's 54 need 34 more slots. SGLang evicts
     a's leaf whole (written back to host, or deleted without a host tier); ours takes only the tails c's
     allocations require and keeps a 22-token head of a's history on the device, so a's next call finds
     it there and loads only the rest from host (or recomputes only the rest). A replayed baseline's
-    ranking (``set_eviction_key``) and untagged traffic keep SGLang's whole-leaf eviction."""
+    ranking (``set_eviction_key``) and untagged traffic keep SGLang's whole-leaf eviction; a history a
+    guessed close kept as cache (chat inference's idle close, ``keep_cached``) is trimmed as a branch's
+    is, and its user, back without hints, finds the head."""
     hicache = OfflineHiCache(POOL, "write_back") if host else None
     driver = OfflineDriver(build_offline_cache(pool_tokens=POOL, stock=kind == "stock", hicache=hicache))
+    cache = driver.cache
     if kind == "baseline-key":
-        driver.cache.set_eviction_key(lambda node, session_ref, base_priority: (base_priority,))
+        cache.set_eviction_key(lambda node, session_ref, base_priority: (base_priority,))
     a, b, c = _prompts(3, seed=5)
     for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        if kind == "kept-on-close" and rid == "c":  # a's conversation is guessed over: kept as cache
+            (owner,) = [o for o in cache.tree_core.owner_index if o.session == "a"]
+            with driver.activated():
+                # its prompt and 3 of its 4 decoded tokens (the last one has no KV yet)
+                assert cache.close_branch(owner, keep_cached=True)["kept_tokens"] == PROMPT + 3
+            assert all(n.agent.kept and n.agent.owner is None for n in cache.tree_core.all_nodes()[1:]
+                       if list(n.key.token_ids[:1]) == a[:1])
         _serve(driver, rid, prompt, session=None if kind == "untagged" else rid)
-    trims = getattr(driver.cache.tree_core, "device_trims", {"leaves": 0, "kept_tokens": 0})
-    again = _serve(driver, "a2", a + [9], session=None if kind == "untagged" else "a")
+    trims = getattr(cache.tree_core, "device_trims", {"leaves": 0, "kept_tokens": 0})
+    again = _serve(driver, "a2", a + [9], session=None if kind in ("untagged", "kept-on-close") else "a")
     report = driver.check()
     assert report.ok, report.errors
     on_device = again.cached_tokens - again.host_loaded_length
-    if kind != "agentcache":
+    if kind not in ("agentcache", "kept-on-close"):
         assert trims == {"leaves": 0, "kept_tokens": 0} and on_device == 0
         assert again.cached_tokens == (PROMPT if host else 0)
         return
     assert trims["leaves"] >= 1 and on_device == 22
     assert again.cached_tokens == (PROMPT if host else 22)
-    assert driver.cache.agent_stats()["device_trims"] == driver.cache.tree_core.device_trims
+    assert cache.agent_stats()["device_trims"] == cache.tree_core.device_trims
 
 
 def test_a_requested_eviction_takes_that_many_tokens_off_the_tail_of_a_session_leaf():

@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sgl_agentcache import BACKEND_NAME
 from sgl_agentcache.fork_points import BranchContexts
 from sgl_agentcache.hints import HintError, LifecycleHint, find_lifecycle_hint, insert_plan
-from sgl_agentcache.lifecycle import (UNTAGGED_PLAN, UNTAGGED_STATE, BranchKey, InsertPlan, NodeClass,
+from sgl_agentcache.lifecycle import (KEPT_ON_CLOSE_STATE, UNTAGGED_PLAN, BranchKey, InsertPlan, NodeClass,
                                       RecentBranches, namespace_key, namespace_salt, parent_refusal)
 from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.idle import IDLE_CLASS
@@ -615,7 +615,8 @@ class AgentRadixCache(UnifiedRadixCache):
         ``keep_cached`` (a close the server only guessed: chat inference's idle close): the branch
         ends just the same (no quota, no pause, never a parent again), but its nodes on every tier
         stay as untagged cache, ranked by recency as stock SGLang ranks everything, rather than being
-        freed. A wrong guess -- the conversation comes back after a long human pause -- then costs
+        freed; they are marked as kept (``KEPT_ON_CLOSE_STATE``), so device eviction may still take
+        only the tail of one of their leaves, as it does a branch's. A wrong guess -- the conversation comes back after a long human pause -- then costs
         what stock caching would cost, not a recompute of the whole history."""
         known = branch in self.seen or branch in self.tree_core.owner_index
         already = branch in self.closed
@@ -630,7 +631,7 @@ class AgentRadixCache(UnifiedRadixCache):
             kept = 0
             for node in list(core.owner_index.get(branch, ())):
                 kept += len(node.key)
-                core.set_state(node, UNTAGGED_STATE)
+                core.set_state(node, KEPT_ON_CLOSE_STATE)
             self.kept_on_close_tokens += kept
             return {"closed": True, "already_closed": already, "freed_tokens": 0, "host_freed_tokens": 0,
                     "kept_tokens": kept, "pending_tokens": 0}

@@ -13,7 +13,9 @@ leaf's recency stamp, so it ranks as the leaf did and goes next if more room is 
 is SGLang's own outcome, one split later.
 
 Not split on the device: a node no branch owns (untagged traffic is evicted exactly as SGLang evicts
-it, so a server that sends no hints and infers none runs SGLang's own tree), a terminated node (deleted
+it, so a server that sends no hints and infers none runs SGLang's own tree) unless a guessed close kept
+it as cache (``NodeState.kept``: a conversation chat inference closed as idle, whose user may return to
+read its head), a terminated node (deleted
 whole, nobody reads it again), a node with a copy in flight or a host lock, or a need of the whole leaf
 or more. Replayed baselines keep SGLang's whole-leaf eviction
 (``AgentRadixCache.set_eviction_key``). Everything here runs on the scheduler thread inside SGLang's
@@ -54,6 +56,7 @@ def device_tail(core, node, need: int):
     """The part of device leaf ``node`` (the eviction walk's victim) that eviction should take when
     ``need`` more device tokens must be freed (see the module docstring). Returns ``node``."""
     state = node.agent
-    if not core.trim_device_tails or state.owner is None or state.terminated or not settled(node):
+    if not core.trim_device_tails or (state.owner is None and not state.kept) or state.terminated \
+            or not settled(node):
         return node
     return split_tail(core, node, need, core.device_trims)
