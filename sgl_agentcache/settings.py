@@ -39,7 +39,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     # ---- the scheduler's tree ----
     branch_quota_tokens: Tokens | None = None  # forked branches (subagents); None: pool / 4
-    session_quota_tokens: Tokens | None = None  # root branches (a session's history); None: pool / 2
+    session_quota_tokens: Tokens | None = None  # root branches (a session's history); None: the pool
     record_evictions: bool = False  # tests compare the server's deletions with the replayer's
 
     # ---- tool-call pauses (scheduler) ----

@@ -307,6 +307,7 @@ def test_over_quota_beats_offload_advice_on_host():
     """OFFLOAD advice does not protect what a branch holds on host over its quota: its host copies rank
     first (TRIM); host tokens count toward the quota (``branch_tokens``)."""
     h = Lazy(pool=1024, host=4096, device_tails=False)
+    h.cache.session_quota_tokens = 512  # half the pool (the default is the whole pool)
     h.turn(ids(16, 600), "big")
     big = BranchKey(NS, "big", "main")
     assert h.pause("big", LONG, tool_class="ci_run")["action"] == "offload"
