@@ -620,8 +620,9 @@ class AgentRadixCache(UnifiedRadixCache):
         ends just the same (no quota, no pause, never a parent again), but its nodes on every tier
         stay as untagged cache, ranked by recency as stock SGLang ranks everything, rather than being
         freed; they are marked as kept (``KEPT_ON_CLOSE_STATE``), so device eviction may still take
-        only the tail of one of their leaves, as it does a branch's. A wrong guess -- the conversation comes back after a long human pause -- then costs
-        what stock caching would cost, not a recompute of the whole history."""
+        only the tail of one of their leaves, as it does a branch's. A wrong guess -- the conversation
+        comes back after a long human pause -- then costs what stock caching would cost, not a
+        recompute of the whole history."""
         known = branch in self.seen or branch in self.tree_core.owner_index
         already = branch in self.closed
         if not known and not already:
