@@ -126,7 +126,8 @@ def _memcpy_bytes_per_s() -> float:
 
 
 def write_profile(profile: Profile, measured: dict, path: Path) -> None:
-    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, **profile.to_dict(), "measured": measured}))
+    fields = {k: v for k, v in profile.to_dict().items() if k != "token_scale"}  # not a file field: always 1
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, **fields, "measured": measured}))
 
 
 # ---- the two runs ----

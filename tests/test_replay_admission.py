@@ -63,21 +63,56 @@ def _branch(request: Request) -> BranchKey:
 def test_reorder_sorts_the_calls_ahead_of_the_first_event():
     order = ReplayAdmission(AdmissionSettings(strategy="agent"), resident=lambda request: 90)
     old = _request(0, "old")
-    order.received(old, _branch(old))
+    order.received(old, _branch(old), 0.0)
     order.started(old, _branch(old), 100)
     order.answered(old, _branch(old))
     burst = [_request(i, f"new{i}") for i in range(1, 4)]
     turn = _request(4, "old")
     for request in burst + [turn]:
-        order.received(request, _branch(request))
+        order.received(request, _branch(request), 0.0)
     abort = Event(t=0.0, kind="abort", tenant="t", session="new3", branch="main")
     late = _request(5, "old")
-    order.received(late, _branch(late))
+    order.received(late, _branch(late), 0.0)
     waiting = [(burst[0], 0.0), (burst[1], 0.0), (turn, 0.0), (abort, 0.0), (burst[2], 0.0), (late, 0.0)]
-    order.reorder(waiting, _branch)
+    order.reorder(waiting, _branch, 0.0)
     # The returning turn goes first; the abort is a barrier: nothing behind it moves ahead of it.
     assert [r.id if isinstance(r, Request) else "abort" for r, _ in waiting] == ["r4", "r1", "r2", "abort", "r3", "r5"]
     assert order.waited == {"r1": 1, "r2": 1, "r3": 0, "r4": 1, "r5": 0}
+
+
+def test_passes_waited_count_the_forward_steps_of_the_wait():
+    """The server runs a pass per forward step: a call that waited ``starvation_steps`` steps goes first
+    at the next attempt, however few attempts the replay's events made; without a step time only the
+    attempts count."""
+    settings = AdmissionSettings(strategy="agent", starvation_steps=256)
+    step = SEED.forward_step_s()
+    assert step == pytest.approx(0.02)
+    for step_s, starved_first in ((step, True), (None, False)):
+        order = ReplayAdmission(settings, resident=lambda request: 90, step_s=step_s)
+        old = _request(0, "old")
+        order.received(old, _branch(old), 0.0)
+        order.started(old, _branch(old), 100)
+        order.answered(old, _branch(old))
+        early = _request(1, "new")  # waits from t=0
+        order.received(early, _branch(early), 0.0)
+        turn = _request(2, "old")  # a returning turn with resident KV: class 0, ahead of the newcomer
+        order.received(turn, _branch(turn), 1.0)
+        waiting = [(early, 0.0), (turn, 1.0)]
+        order.reorder(waiting, _branch, 1.0)
+        assert [r.id for r, _ in waiting] == ["r2", "r1"]
+        assert order.waited["r1"] == (50 if step_s else 1)
+        order.reorder(waiting, _branch, 256 * step + 1e-9)  # the second attempt, 256 steps in
+        assert [r.id for r, _ in waiting] == (["r1", "r2"] if starved_first else ["r2", "r1"]), step_s
+    with pytest.raises(ValueError, match="step_s"):
+        ReplayAdmission(settings, resident=lambda request: 0, step_s=0.0)
+
+
+def test_a_scaled_profile_keeps_the_deployments_step():
+    from sgl_agentcache.sim.suite import scaled_profile
+
+    scaled = scaled_profile(SEED, 64)
+    assert scaled.token_scale == 64 and scaled.decode_s_per_token == pytest.approx(1.28)
+    assert scaled.forward_step_s() == pytest.approx(SEED.forward_step_s())
 
 
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "fcfs"])

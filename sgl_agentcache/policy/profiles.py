@@ -31,15 +31,25 @@ PROFILE_SCHEMA = "sgl-agentcache-profile/1"
 
 @dataclass(frozen=True)
 class Profile:
+    """A deployment's costs per token. ``token_scale``: how many tokens of the original trace one token
+    stands for (the replayer's scaled traces, ``sim/suite.py:scaled_profile``; 1 for a deployment and
+    in every profile file): the per-token figures are per scaled token."""
+
     name: str
     kv_bytes_per_token: int
     prefill_tokens_per_s: float
     decode_s_per_token: float
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
+    token_scale: int = 1
 
     def prefill_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
+
+    def forward_step_s(self) -> float:
+        """Seconds of one decode step (one token per running request) of the unscaled deployment: the
+        interval between the scheduler's passes over its waiting queue."""
+        return self.decode_s_per_token / self.token_scale
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,7 +95,7 @@ def load_profile(path: str | Path) -> Profile:
         raw = msgspec.json.decode(data, type=_ProfileFile)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProfileError(f"{path}: invalid profile ({PROFILE_SCHEMA}): {exc}") from None
-    return Profile(**{f: getattr(raw, f) for f in Profile.__dataclass_fields__})
+    return Profile(**{f: getattr(raw, f) for f in Profile.__dataclass_fields__ if f != "token_scale"})
 
 
 def resolve_profile(name_or_path: str | Path) -> Profile:

@@ -329,7 +329,8 @@ class _Run:
                                    pool_tokens=pool_tokens, host_tokens=host_tokens,
                                    admission=admission.strategy if admission is not None else None)
         # The admission order (sim/admission.py); None: the replay's own (a branch's next call first).
-        self.order = ReplayAdmission(admission, self.resident) if admission is not None else None
+        self.order = (ReplayAdmission(admission, self.resident, step_s=profile.forward_step_s())
+                      if admission is not None else None)
         self.events: list[tuple] = []
         self.seq = 0
         self.waiting: list[tuple[Request | Event, float]] = []
@@ -521,7 +522,7 @@ class _Run:
         self.received[trace_key] = self.received.get(trace_key, 0) + 1
         self.received_at[request.id] = now
         if self.order is not None:
-            self.order.received(request, self.branch(request))
+            self.order.received(request, self.branch(request), now)
         if self.graph is not None:
             self.update_steps(self.graph.received(request))
         return request
@@ -889,7 +890,7 @@ class _Run:
             for event, arrived in ready:
                 self.end_with(event, arrived, now)
         if self.order is not None and len(self.waiting) > 1:
-            self.order.reorder(self.waiting, self.branch)
+            self.order.reorder(self.waiting, self.branch, now)
         while self.waiting:
             record, arrived = self.waiting[0]
             if isinstance(record, Event):

@@ -115,7 +115,8 @@ def scaled_profile(profile: Profile, token_scale: int) -> Profile:
         return profile
     return replace(profile, name=f"{profile.name}/x{token_scale}", kv_bytes_per_token=profile.kv_bytes_per_token * token_scale,
                    prefill_tokens_per_s=profile.prefill_tokens_per_s / token_scale,
-                   decode_s_per_token=profile.decode_s_per_token * token_scale)
+                   decode_s_per_token=profile.decode_s_per_token * token_scale,
+                   token_scale=profile.token_scale * token_scale)
 
 
 def infinite_cache(trace, profile: Profile) -> ReplayResult:
