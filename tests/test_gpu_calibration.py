@@ -83,6 +83,16 @@ def test_load_profile_accepts_a_valid_file(tmp_path):
     assert load_profile(_write(tmp_path, GOOD)) == Profile("test", 36864, 50_000.0, 0.01, 5e10, 4e10)
 
 
+def test_a_profile_the_server_check_writes_loads_back(tmp_path):
+    """bench/replay_vs_server.py writes its measured profile for the server (AGENTCACHE_PROFILE) from
+    ``Profile.to_dict``; the file must load back to the same profile (no replay-only field in it)."""
+    from bench_module import load_bench
+
+    profile = Profile("cpu-measured", 4096, 1_000.0, 0.05, 2e9, 2e9)
+    load_bench("replay_vs_server").write_profile(profile, {"points": [1, 2]}, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == profile
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"schema": "sgl-agentcache-profile/2"}, "$.schema"),
     ({"prefill_tokens_per_s": 0}, "$.prefill_tokens_per_s"),
@@ -91,6 +101,7 @@ def test_load_profile_accepts_a_valid_file(tmp_path):
     ({"decode_s_per_token": "fast"}, "$.decode_s_per_token"),
     ({"d2h_bytes_per_s": _DROP}, "missing required field `d2h_bytes_per_s`"),
     ({"prefill_rate": 1.0}, "unknown field `prefill_rate`"),
+    ({"token_scale": 64}, "unknown field `token_scale`"),  # the replayer's scale is never a file's
 ])
 def test_load_profile_rejects_bad_fields_naming_them(tmp_path, change, needle):
     path = _write(tmp_path, {k: v for k, v in {**GOOD, **change}.items() if v is not _DROP})
