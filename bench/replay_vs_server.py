@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import server_recompute as single  # noqa: E402
 
 from sgl_agentcache.cpu_server import CpuServer  # noqa: E402
-from sgl_agentcache.policy.profiles import PROFILE_SCHEMA, Profile  # noqa: E402
+from sgl_agentcache.policy.profiles import Profile, profile_file  # noqa: E402
 from sgl_agentcache.sim.replay import replay  # noqa: E402
 from sgl_agentcache.tiny_model import SHAPES, make_tiny_model  # noqa: E402
 from sgl_agentcache.trace.generators import generate  # noqa: E402
@@ -126,8 +126,7 @@ def _memcpy_bytes_per_s() -> float:
 
 
 def write_profile(profile: Profile, measured: dict, path: Path) -> None:
-    fields = {k: v for k, v in profile.to_dict().items() if k != "token_scale"}  # not a file field: always 1
-    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, **fields, "measured": measured}))
+    path.write_text(json.dumps(profile_file(profile, measured)))
 
 
 # ---- the two runs ----

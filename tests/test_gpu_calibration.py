@@ -85,7 +85,7 @@ def test_load_profile_accepts_a_valid_file(tmp_path):
 
 def test_a_profile_the_server_check_writes_loads_back(tmp_path):
     """bench/replay_vs_server.py writes its measured profile for the server (AGENTCACHE_PROFILE) from
-    ``Profile.to_dict``; the file must load back to the same profile (no replay-only field in it)."""
+    ``profiles.profile_file``; the file must load back to the same profile (no replay-only field in it)."""
     from bench_module import load_bench
 
     profile = Profile("cpu-measured", 4096, 1_000.0, 0.05, 2e9, 2e9)

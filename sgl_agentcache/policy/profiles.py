@@ -81,6 +81,16 @@ class _ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     measured: dict[str, Any] = {}
 
 
+#: The :class:`Profile` fields a profile file carries (all but ``token_scale``, the replayer's own).
+_FILE_FIELDS = tuple(f for f in _ProfileFile.__struct_fields__ if f not in ("schema", "measured"))
+
+
+def profile_file(profile: Profile, measured: dict[str, Any]) -> dict[str, Any]:
+    """The on-disk form of ``profile`` (``sgl-agentcache-profile/1``) with ``measured`` provenance, which
+    :func:`load_profile` reads back equal (for a profile of a deployment: ``token_scale`` 1)."""
+    return {"schema": PROFILE_SCHEMA, **{f: getattr(profile, f) for f in _FILE_FIELDS}, "measured": measured}
+
+
 def load_profile(path: str | Path) -> Profile:
     """Read a profile JSON file into a :class:`Profile`.
 
@@ -95,7 +105,7 @@ def load_profile(path: str | Path) -> Profile:
         raw = msgspec.json.decode(data, type=_ProfileFile)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProfileError(f"{path}: invalid profile ({PROFILE_SCHEMA}): {exc}") from None
-    return Profile(**{f: getattr(raw, f) for f in Profile.__dataclass_fields__ if f != "token_scale"})
+    return Profile(**{f: getattr(raw, f) for f in _FILE_FIELDS})
 
 
 def resolve_profile(name_or_path: str | Path) -> Profile:
