@@ -14,7 +14,9 @@ same host tier:
 - ``agentcache``: ours, lifecycle hints on every call, on SGLang's own HiCache (write-back, the same host
   tokens in its host pool): our lifecycle decides what HiCache's host pool holds (issue #36);
 - ``agentcache-admit-lpm``: ``agentcache-lpm`` with program-aware admission
-  (``AGENTCACHE_ADMISSION=agent``, issue #40): returning turns whose KV is resident before new sessions.
+  (``AGENTCACHE_ADMISSION=agent``, issue #40): returning turns whose KV is resident before new sessions;
+  ``agentcache-agent-lpm`` (run only when ``--backends`` names it): the same with ``agent-lpm``, longest
+  device match first within each admission class.
 
 A ``-lpm`` suffix: the same under SGLang's ``--schedule-policy lpm`` (the others run ``fcfs``).
 
@@ -123,12 +125,17 @@ BACKENDS = {"stock": Backend(None, False, "fcfs"), "stock-lpm": Backend(None, Fa
             "agentcache": Backend("agentcache", True, "fcfs", "write_back"),
             "agentcache-lpm": Backend("agentcache", True, "lpm", "write_back"),
             # Ours with program-aware admission (issue #40) over lpm's order.
-            "agentcache-admit-lpm": Backend("agentcache", True, "lpm", "write_back", admission="agent")}
+            "agentcache-admit-lpm": Backend("agentcache", True, "lpm", "write_back", admission="agent"),
+            # The same with ``agent-lpm`` (longest device match first within each admission class).
+            "agentcache-agent-lpm": Backend("agentcache", True, "lpm", "write_back", admission="agent-lpm")}
+#: Backends run only when ``--backends`` names them (variants of a default one; the full run stays as long).
+OPT_IN = ("agentcache-agent-lpm",)
 #: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against SGLang's HiCache
 #: under lpm (the strongest baseline here).
 COMPARISONS = (("agentcache", "hicache-wb-lpm"), ("agentcache", "hicache-wt-lpm"), ("agentcache-lpm", "hicache-wb-lpm"),
                ("agentcache", "hicache-wb"), ("agentcache", "stock"), ("agentcache", "stock-lpm"),
-               ("agentcache-admit-lpm", "hicache-wb-lpm"), ("agentcache-admit-lpm", "agentcache-lpm"))
+               ("agentcache-admit-lpm", "hicache-wb-lpm"), ("agentcache-admit-lpm", "agentcache-lpm"),
+               ("agentcache-agent-lpm", "hicache-wb-lpm"), ("agentcache-agent-lpm", "agentcache-lpm"))
 #: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
 #: when pauses go through the route).
 ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "ttft_s", "latency_s",
@@ -541,7 +548,8 @@ def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
 
 COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache-wb": "#e08a2c", "hicache-wb-lpm": "#b05f10",
            "hicache-wt-lpm": "#8a4a0c", "agentcache": "#2b7bba",
-           "agentcache-lpm": "#164f80", "agentcache-admit-lpm": "#8a3ffc"}
+           "agentcache-lpm": "#164f80", "agentcache-admit-lpm": "#8a3ffc",
+           "agentcache-agent-lpm": "#d12771"}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -700,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, help="passes of the trace per server (default: full 6, quick 2)")
     ap.add_argument("--pause-via", choices=("hint", "route"), default="hint",
                     help="how a call that ends in a tool pauses its branch (see the module docstring)")
-    ap.add_argument("--backends", help="comma-separated subset of the backends (default: all); the results "
-                                       "then go to server_recompute-<subset>.json, the full run's file stays")
+    ap.add_argument("--backends", help="comma-separated subset of the backends (default: all but OPT_IN); the "
+                                       "results then go to server_recompute-<subset>.json, the full run's file stays")
     ap.add_argument("--gpu", action="store_true",
                     help="serve on a CUDA GPU (SGLang 0.5.23 with its CUDA stack installed; bench/gpu/README.md): "
                          "GPU flags, HiCache's kernel io backend and page_first layout; results under a -gpu stem")
@@ -709,7 +717,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="independent traces (generator seeds from the mode's): with more than one, ratios are "
                          "reported per trace and with an interval over traces (server_recompute-seeds<N>...json)")
     args = ap.parse_args(argv)
-    names = list(BACKENDS) if args.backends is None else [n.strip() for n in args.backends.split(",") if n.strip()]
+    if args.backends is None:
+        names = [n for n in BACKENDS if n not in OPT_IN]
+    else:
+        names = [n.strip() for n in args.backends.split(",") if n.strip()]
     unknown = sorted(set(names) - set(BACKENDS))
     if unknown or not names:
         ap.error(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)}")
