@@ -158,6 +158,9 @@ def test_the_admission_benchmark_runs_every_system_on_equal_memory(tmp_path):
         assert {r["host_tokens"] for r in mine if r["policy"] == "stock"} == {0}
     assert all(r["integrity_ok"] and not r["leaked_tokens"] for r in rows)
     assert {r["admission"] for r in rows if r["policy"] == "agentcache"} == {"agent"}
+    for ref, floor in report["jct_floor"].items():  # no session finishes before its own span
+        assert floor["sessions"] == 6 and 0 < floor["lowest"] <= floor["median"] <= 1.0 + 1e-9, ref
+        assert all(r["jct_s"] >= r["span_s"] for r in rows)
     others = {c["other"] for c in report["comparisons"] if c["metric"] == "first_ttft_s"}
     assert others == set(SYSTEMS) - {"agentcache"}
     flood = report["flood"]  # two tenants, one flooding: every system on every seed, the same pool
@@ -166,3 +169,16 @@ def test_the_admission_benchmark_runs_every_system_on_equal_memory(tmp_path):
     for seed in (0, 1):
         assert len({r["pool_tokens"] for r in flood["rows"] if r["seed"] == seed}) == 1
     assert set(flood["ours_vs"]) == set(SYSTEMS) - {"agentcache"}
+
+
+def test_the_jct_floor_is_each_sessions_span_over_the_references_jct():
+    from sgl_agentcache.sim.admission_study import jct_floor
+
+    rows = [{"policy": "ref", "span_s": span, "jct_s": jct} for span, jct in ((90, 100), (60, 100), (99, 100))]
+    rows.append({"policy": "other", "span_s": 1, "jct_s": 100})  # another system's rows are not read
+    floor = jct_floor(rows, "ref", target=0.7)
+    assert floor["sessions"] == 3 and floor["median"] == pytest.approx(0.9) and floor["lowest"] == pytest.approx(0.6)
+    assert floor["mean"] == pytest.approx(0.83) and floor["ci95"][0] < 0.83 < floor["ci95"][1]
+    assert floor["below_target"] == 1
+    with pytest.raises(ValueError, match="no session"):
+        jct_floor(rows, "missing")

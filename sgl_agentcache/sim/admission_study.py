@@ -21,6 +21,11 @@ strategy of ``policy/admission_order.py``:
 Per session: recomputed tokens, resume TTFT p50/p99, own-wait total, JCT, and the first call's TTFT (a
 new session's wait: the fairness cost of favouring returning turns).
 
+The JCT floor (:func:`jct_floor`): no system answers a session's last call before the call arrives, so
+a session's JCT under any cache and order is at least its trace's own span (first arrival to last), and
+its JCT ratio to a reference is at least ``span / reference JCT``. The floor's median bounds the median
+ratio any system can reach from below (a target under it is out of reach on these sessions).
+
 The flood (:func:`run_flood`): two tenants on one pool, generated (seeds are independent samples). A
 ``calm`` tenant runs agent sessions with subagents (``branch_heavy``); a ``flood`` tenant starts many
 short tool sessions quickly (``short_tools`` at a high session rate). Per system and seed: each
@@ -30,6 +35,7 @@ tenant's first-call TTFT p99 (new sessions' wait).
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
@@ -103,7 +109,21 @@ def run_study(config: AdmissionStudyConfig, profile: Profile, progress=None) -> 
     return {"config": asdict(config), "systems": {n: SYSTEMS[n]._asdict() for n in config.systems},
             "profile": profile.to_dict(), "groups": [list(g) for g in dealt], "duplicates": DUPLICATES,
             "rows": rows, "comparisons": analyse(rows, OURS, METRICS_ADMISSION),
+            "jct_floor": {ref: jct_floor(rows, ref) for ref in REFERENCES if ref in config.systems},
             "wall_s": time.perf_counter() - started, "environment": environment()}
+
+
+def jct_floor(rows: list[dict], reference: str, target: float = 0.7) -> dict:
+    """The lowest JCT ratio to ``reference`` any system could reach, session by session: ``span / JCT``
+    of the reference's run (a session's JCT is at least its trace's span under any system). Returns the
+    sessions counted, the floor's median, mean with its 95% t interval, lowest, and how many sessions
+    have a floor under ``target``."""
+    floors = sorted(r["span_s"] / r["jct_s"] for r in rows if r["policy"] == reference and r["jct_s"] > 0)
+    if not floors:
+        raise ValueError(f"no session of {reference!r} with a JCT in the rows")
+    mean, lo, hi = mean_ci(floors)
+    return {"sessions": len(floors), "median": statistics.median(floors), "mean": mean, "ci95": [lo, hi],
+            "lowest": floors[0], "target": target, "below_target": sum(f < target for f in floors)}
 
 
 @dataclass(frozen=True)
@@ -189,4 +209,5 @@ def run_flood(config: FloodConfig, profile: Profile, progress=None) -> dict:
 
 
 __all__ = ["FLOOD_METRICS", "METRICS_ADMISSION", "OURS", "REFERENCES", "SYSTEMS", "AdmissionStudyConfig", "FloodConfig",
-           "System", "analyse_flood", "flood_traces", "run_flood", "run_flood_seed", "run_group", "run_study"]
+           "System", "analyse_flood", "flood_traces", "jct_floor", "run_flood", "run_flood_seed", "run_group",
+           "run_study"]
