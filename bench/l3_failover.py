@@ -13,8 +13,10 @@ worker 1 is stopped; the router re-pins its sessions to worker 0, and every sess
 
 Measured per session after the move: prefill tokens computed (``input - cached``) over its calls, the
 first call's latency (4 output tokens, wall clock, CPU) and where its cached tokens came from
-(``cached_tokens_details``: device / host / storage). Per condition, the moved sessions' mean with a
-97.5% Student-t interval over sessions, and ``l3`` / ``cold`` as the ratio of the means with the
+(``cached_tokens_details``: device / host / storage); as a control, the latency of each session's last
+call before the move (both workers serving: what the condition costs without a failover). Per
+condition, the moved sessions' mean with a 97.5% Student-t interval over sessions, and ``l3`` /
+``cold`` as the ratio of the means with the
 conservative 95% interval the two give (:func:`summarize`); the router picks each session's worker (ties
 at random), so the moved groups differ between runs and are compared as samples. One run per condition:
 the intervals are over sessions within a run, not over runs (run-to-run machine noise is not in them). The survivor's own sessions are the
@@ -84,7 +86,7 @@ def _holder(workers: list[CpuServer], session: str) -> int:
 
 def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
     """One condition: sessions on two workers, worker 1 stopped, every session continued. Returns per
-    session its worker before the move and its calls after it."""
+    session its worker before the move, its calls before it (latency) and its calls after it."""
     rng = random.Random(cfg["seed"])
     vocab = model.vocab_size
     fresh = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
@@ -93,7 +95,7 @@ def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
     workers = _workers(model, cfg, condition, store, log_dir)
     router = RouterProcess([w.url for w in workers], log_path=log_dir / f"{condition}-router.log")
     sessions = {f"s{i}": fresh(cfg["history"]) for i in range(cfg["sessions"])}
-    placed, after = {}, {s: [] for s in sessions}
+    placed, before, after = {}, {s: [] for s in sessions}, {s: [] for s in sessions}
     try:
         for worker in workers:
             worker.start()
@@ -101,7 +103,8 @@ def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
         sent = {}
         for _ in range(cfg["turns_before"]):
             for session, ids in sessions.items():
-                out, _ = _turn(router, session, ids)
+                out, latency = _turn(router, session, ids)
+                before[session].append({"input_tokens": len(ids), "latency_s": latency})
                 sent[session] = len(ids)
                 ids += out["output_ids"] + fresh(cfg["turn_tokens"])
         placed = {session: _holder(workers, session) for session in sessions}
@@ -128,7 +131,7 @@ def run_condition(model, cfg: dict, condition: str, log_dir: Path) -> dict:
         router.stop()
         for worker in workers:
             worker.stop()
-    return {"placed": placed, "after": after}
+    return {"placed": placed, "before": before, "after": after}
 
 
 def _interval(values: list[float], level: float) -> dict:
@@ -152,11 +155,14 @@ def summarize(runs: dict) -> dict:
                          "computed_tokens": sum(c["input_tokens"] - c["cached_tokens"] for c in calls),
                          "input_tokens": sum(c["input_tokens"] for c in calls),
                          "first_call_latency_s": calls[0]["latency_s"],
+                         # The control: the same session's last call before the move, when both workers
+                         # served (a difference here is the condition's, not the failover's).
+                         "last_call_before_latency_s": run["before"][session][-1]["latency_s"],
                          "first_call_storage_tokens": calls[0]["details"].get("storage", 0),
                          "first_call_device_tokens": calls[0]["details"].get("device", 0)})
     comparisons = {}
     for group, moved in (("moved", True), ("stayed", False)):
-        for metric in ("computed_tokens", "first_call_latency_s"):
+        for metric in ("computed_tokens", "first_call_latency_s", "last_call_before_latency_s"):
             side = {c: [r[metric] for r in rows if r["condition"] == c and r["moved"] == moved] for c in CONDITIONS}
             if min(len(v) for v in side.values()) < 2:
                 continue

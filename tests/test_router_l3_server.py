@@ -106,3 +106,4 @@ def test_the_failover_benchmark_measures_moved_sessions_against_cold(tmp_path):
     stayed = {(r["condition"], r["session"]): r["computed_tokens"] for r in rows if not r["moved"]}
     both = {s for c, s in stayed if ("l3", s) in stayed and ("cold", s) in stayed}
     assert all(stayed[("l3", s)] == stayed[("cold", s)] for s in both)
+    assert all(r["last_call_before_latency_s"] > 0 for r in rows)  # the control: each session before the move
