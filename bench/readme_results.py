@@ -350,8 +350,9 @@ def _server(body: dict) -> list[str]:
 
 
 #: The server benchmark over independent traces (``--trace-seeds``): intervals over traces. Each run
-#: that exists is shown, in this order.
-SERVER_SEEDS = ("server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-admit-lpm.json",
+#: that exists is shown, in this order (the largest sample first).
+SERVER_SEEDS = ("server_recompute-seeds10-hicache-wb-lpm+agentcache-lpm+agentcache-agent-lpm.json",
+                "server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-admit-lpm.json",
                 "server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-agent-lpm.json")
 _SERVER_MEASURES = (("computed", "prefill computed"), ("jct", "JCT"), ("resume_ttft_p50", "resume TTFT p50"),
                     ("resume_ttft_p99", "resume TTFT p99"))
@@ -540,8 +541,9 @@ def _l3_failover(body: dict) -> list[str]:
            "within a run, not over runs, and the prefill counts are deterministic (no spread at all). The "
            "survivor's pool holds every session, so its own sessions are the control.", "",
            "sessions (l3 / cold runs) | prefill computed after the move: l3, cold, l3 / cold | "
-           "first call's latency (s): l3, cold, l3 / cold",
-           "---|---|---"]
+           "first call's latency (s): l3, cold, l3 / cold | control, the last call before the move (s): l3, "
+           "cold, l3 / cold",
+           "---|---|---|---"]
 
     def side(c: dict, fmt: str) -> str:
         return f"{c['mean']:{fmt}} [{c['ci'][0]:{fmt}}, {c['ci'][1]:{fmt}}]"
@@ -550,8 +552,10 @@ def _l3_failover(body: dict) -> list[str]:
         a, b = cmp.get(f"{group}:computed_tokens"), cmp.get(f"{group}:first_call_latency_s")
         if a is None or b is None:
             continue
+        control = cmp.get(f"{group}:last_call_before_latency_s")  # absent from runs before it was recorded
         cells = [f"{side(c['l3'], fmt)}, {side(c['cold'], fmt)}, {c['ratio']:.2f}x "
-                 f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}" for c, fmt in ((a, ".0f"), (b, ".3f"))]
+                 f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] {c['verdict']}" if c is not None else "-"
+                 for c, fmt in ((a, ".0f"), (b, ".3f"), (control, ".3f"))]
         out.append(f"{group} ({a['l3']['sessions']} / {a['cold']['sessions']}) | " + " | ".join(cells))
     storage = [r["first_call_storage_tokens"] for r in body["rows"] if r["moved"] and r["condition"] == "l3"]
     if storage:
