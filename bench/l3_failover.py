@@ -14,14 +14,14 @@ worker 1 is stopped; the router re-pins its sessions to worker 0, and every sess
 Measured per session after the move: prefill tokens computed (``input - cached``) over its calls, the
 first call's latency (4 output tokens, wall clock, CPU) and where its cached tokens came from
 (``cached_tokens_details``: device / host / storage); as a control, the latency of each session's last
-call before the move (both workers serving: what the condition costs without a failover). Per
-condition, the moved sessions' mean with a 97.5% Student-t interval over sessions, and ``l3`` /
-``cold`` as the ratio of the means with the
-conservative 95% interval the two give (:func:`summarize`); the router picks each session's worker (ties
-at random), so the moved groups differ between runs and are compared as samples. One run per condition:
-the intervals are over sessions within a run, not over runs (run-to-run machine noise is not in them). The survivor's own sessions are the
-control: its pool holds every session, so the move evicts none of them. Sessions are independent samples
-(their prompts share nothing).
+call before the move (both workers serving: what the condition costs without a failover). Per condition,
+the moved sessions' mean with a 97.5% Student-t interval over sessions, and ``l3`` / ``cold`` as the
+ratio of the means with the conservative 95% interval the two give (:func:`summarize`); the router picks
+each session's worker (ties at random), so the moved groups differ between runs and are compared as
+samples. One run per condition: the intervals are over sessions within a run, not over runs (run-to-run
+machine noise is not in them). The survivor's own sessions are the control: its pool holds every
+session, so the move evicts none of them. Sessions are independent samples (their prompts share
+nothing).
 
 Run: ``SGLANG_USE_CPU_ENGINE=1 .venv/bin/python bench/l3_failover.py [--quick] [--out DIR]`` (writes
 ``l3_failover.json``; a few minutes, ``--quick`` about two).
