@@ -386,3 +386,20 @@ def test_a_calls_own_wait_is_counted_from_when_the_server_received_it(results):
         assert d["own_wait_s"]["total"] == pytest.approx(sum(r.own_waits_s)) and r.admission_refusals >= 0
     # Causality holds calls back on every system: some resumes waited on their branch's earlier calls.
     assert any(q > own for r in results.values() for own, q in zip(r.resume_own_waits_s, r.resume_queue_s))
+
+
+@pytest.mark.parametrize("arrival_s", [0.01, 0.5])
+def test_a_running_calls_reservation_is_its_remaining_output_plus_what_it_has_decoded(arrival_s):
+    """SGLang's ``PrefillAdder`` (with ``ignore_eos``, as every server benchmark sends) reserves a running
+    request's *remaining* output, while the tokens it already decoded hold slots; the replay reserves the
+    whole output and allocates none of it until the call ends. The sum is the same at every instant, so
+    a second call fits exactly when ``a.in + a.out + b.in + b.out < pool`` however far the first has
+    decoded (it decodes 50 tokens over 1 s; ``b`` arrives early in it or half way through)."""
+    a = Request(id="a", t=0.0, session="a", blocks=list(range(10)), input_tokens=100, output_tokens=50)
+    b = Request(id="b", t=arrival_s, session="b", blocks=list(range(100, 110)), input_tokens=100, output_tokens=50)
+    trace = Trace(header=TraceHeader(block_tokens=10), records=[a, b])
+    assert SEED.decode_s_per_token * a.output_tokens > arrival_s  # b arrives while a decodes
+    tight = replay(trace, "stock", pool_tokens=300, host_tokens=0, profile=SEED, vocab_size=VOCAB)
+    assert tight.admission_refusals == 1 and tight.calls["b"].start_s > SEED.decode_s_per_token * a.output_tokens
+    roomy = replay(trace, "stock", pool_tokens=301, host_tokens=0, profile=SEED, vocab_size=VOCAB)
+    assert roomy.admission_refusals == 0 and roomy.calls["b"].start_s == arrival_s
