@@ -16,7 +16,9 @@ same host tier:
 - ``agentcache-admit-lpm``: ``agentcache-lpm`` with program-aware admission
   (``AGENTCACHE_ADMISSION=agent``, issue #40): returning turns whose KV is resident before new sessions;
   ``agentcache-agent-lpm`` (run only when ``--backends`` names it): the same with ``agent-lpm``, longest
-  device match first within each admission class.
+  device match first within each admission class; ``agentcache-hook-lpm`` (also run only when named):
+  ``AGENTCACHE_ADMISSION=lpm``, the admission hook ordering by longest device match alone (no classes),
+  the control that tells what the hook costs from what the classes do.
 
 A ``-lpm`` suffix: the same under SGLang's ``--schedule-policy lpm`` (the others run ``fcfs``).
 
@@ -127,15 +129,18 @@ BACKENDS = {"stock": Backend(None, False, "fcfs"), "stock-lpm": Backend(None, Fa
             # Ours with program-aware admission (issue #40) over lpm's order.
             "agentcache-admit-lpm": Backend("agentcache", True, "lpm", "write_back", admission="agent"),
             # The same with ``agent-lpm`` (longest device match first within each admission class).
-            "agentcache-agent-lpm": Backend("agentcache", True, "lpm", "write_back", admission="agent-lpm")}
+            "agentcache-agent-lpm": Backend("agentcache", True, "lpm", "write_back", admission="agent-lpm"),
+            # The hook's own order, ``lpm``'s keys without classes: a control for ``agent-lpm``.
+            "agentcache-hook-lpm": Backend("agentcache", True, "lpm", "write_back", admission="lpm")}
 #: Backends run only when ``--backends`` names them (variants of a default one; the full run stays as long).
-OPT_IN = ("agentcache-agent-lpm",)
+OPT_IN = ("agentcache-agent-lpm", "agentcache-hook-lpm")
 #: (ours, theirs) pairs the results compare, pass by pass; the headline is ours against SGLang's HiCache
 #: under lpm (the strongest baseline here).
 COMPARISONS = (("agentcache", "hicache-wb-lpm"), ("agentcache", "hicache-wt-lpm"), ("agentcache-lpm", "hicache-wb-lpm"),
                ("agentcache", "hicache-wb"), ("agentcache", "stock"), ("agentcache", "stock-lpm"),
                ("agentcache-admit-lpm", "hicache-wb-lpm"), ("agentcache-admit-lpm", "agentcache-lpm"),
-               ("agentcache-agent-lpm", "hicache-wb-lpm"), ("agentcache-agent-lpm", "agentcache-lpm"))
+               ("agentcache-agent-lpm", "hicache-wb-lpm"), ("agentcache-agent-lpm", "agentcache-lpm"),
+               ("agentcache-hook-lpm", "agentcache-lpm"), ("agentcache-agent-lpm", "agentcache-hook-lpm"))
 #: One row per request in the JSON (``pause``: agentcache's decision after a call that ends in a tool,
 #: when pauses go through the route).
 ROW_COLUMNS = ("id", "resume", "input", "cached", "ideal_cached", "max_new", "status", "ttft_s", "latency_s",
@@ -549,7 +554,7 @@ def _median_pass(name: str, runs: list, cfg: dict) -> tuple[dict, list]:
 COLOURS = {"stock": "#999999", "stock-lpm": "#666666", "hicache-wb": "#e08a2c", "hicache-wb-lpm": "#b05f10",
            "hicache-wt-lpm": "#8a4a0c", "agentcache": "#2b7bba",
            "agentcache-lpm": "#164f80", "agentcache-admit-lpm": "#8a3ffc",
-           "agentcache-agent-lpm": "#d12771"}
+           "agentcache-agent-lpm": "#d12771", "agentcache-hook-lpm": "#7a8b99"}
 
 
 def plot(result: dict, path: Path) -> None:
