@@ -324,6 +324,43 @@ def test_a_requested_eviction_takes_that_many_tokens_off_the_tail_of_a_session_l
     assert report.ok, report.errors
 
 
+def test_one_token_needs_split_off_at_least_the_floor_so_decode_does_not_split_every_step():
+    """Under pressure SGLang asks eviction for exactly the shortfall (``evict_to_free_tokens``): one
+    token per decoding request per step. Each split takes at least ``tail_floor`` of the pool (here 16
+    of 1,024), so 64 one-token decode allocations cost 4 splits (and the decoded tokens' own 4-token
+    leaf), not 64, and the history keeps its head on the device. A requested eviction above the floor
+    takes just what it asked."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sgl_agentcache.server.scheduler.leaf_tails import TAIL_FLOOR_SHARE, tail_floor
+
+    pool = 1024
+    floor = tail_floor(pool, 1)
+    assert floor == int(pool * TAIL_FLOOR_SHARE) == 16 and tail_floor(10, 1) == 1 and tail_floor(4096, 16) == 64
+    driver = OfflineDriver(build_offline_cache(pool_tokens=pool))
+    cache, core = driver.cache, driver.cache.tree_core
+    allocator = cache.token_to_kv_pool_allocator
+    assert core.device_tail_floor == floor
+    rng = random.Random(3)
+    history = [rng.randrange(1, 500) for _ in range(400)]
+    _serve(driver, "a", history, session="a")
+    with driver.activated():
+        held = [allocator.alloc(allocator.available_size())]  # another request's KV fills the pool
+        for _ in range(64):  # it decodes: one slot per step, each short by one
+            allocator.evict_to_free_tokens(cache, 1)
+            held.append(allocator.alloc(1))
+            assert held[-1] is not None
+        assert core.device_trims["leaves"] == 4
+        assert cache.evict(EvictParams(num_tokens=floor + 5)).num_tokens_evicted == floor + 5
+        assert core.device_trims["leaves"] == 5
+        for slots in held:
+            allocator.free(slots)
+    again = _serve(driver, "a2", history + [9], session="a")
+    assert again.cached_tokens == 400 - 4 * floor - (floor + 5)
+    report = driver.check()
+    assert report.ok, report.errors
+
+
 def test_host_tail_splits_whole_pages_and_keeps_the_heads_recency():
     """``host_tail`` on a host-only leaf: a need of the whole leaf or more takes it whole; a smaller one
     splits off a tail of that length, and the head keeps the leaf's LRU stamp, so it ranks as the leaf

@@ -51,7 +51,7 @@ from sgl_agentcache.namespaced_lru import NamespacedLRU
 from sgl_agentcache.policy.idle import IDLE_CLASS
 from sgl_agentcache.policy.retention import Band, RetentionModel, device_rank, host_band, learned_rate
 from sgl_agentcache.server.scheduler.integrity import IntegrityReport, check_tree
-from sgl_agentcache.server.scheduler.leaf_tails import device_tail
+from sgl_agentcache.server.scheduler.leaf_tails import device_tail, tail_floor
 from sgl_agentcache.server.metrics import SchedulerMetrics, metrics_enabled
 from sgl_agentcache.server.scheduler.hicache_moves import (FETCH_RID_PREFIX, back_up_head, end_storage_fetch,
                                                            fetch_from_storage, host_evictable_tokens)
@@ -123,6 +123,7 @@ class AgentRadixCache(UnifiedRadixCache):
         self.kept_on_close_tokens = 0  # closes that kept the KV as untagged cache (inferred closes)
         self.quota_trimmed_tokens = 0  # over-quota branches' tokens eviction took first
         self._device_need = None  # inside a device eviction walk: what it must free (_evict_components)
+        core.device_tail_floor = tail_floor(pool, self.page_size)
         self.invalid_hints = 0
         self.adopted_tokens = 0  # siblings' scratch a request reused, made the session's history
         self.inferred_orphans = 0  # inferred forks run without their parent (it was unknown or closed)
@@ -170,6 +171,7 @@ class AgentRadixCache(UnifiedRadixCache):
         super().init_hicache(server_args, params)
         self.on_hicache = True
         self.tree_core.backup_veto = self._no_host_copy
+        self.tree_core.host_tail_floor = tail_floor(self.host_tier_tokens, self.page_size)
         # L3: deleted nodes' pages go from the store too, where the backend can delete (server/scheduler/l3_store.py).
         from sgl_agentcache.server.scheduler.l3_store import L3Deleter
 

@@ -101,7 +101,7 @@ def host_tail(core, node, need: int):
     A resume reads a prefix, so the head of a history is worth as much without its tail: measured on
     the real Claude Code mix (host 0.5x of the pool), a subagent's 268-token write-back took a
     neighbour's whole 1,526-token idle history off host, and its user came back to recompute it."""
-    return split_tail(core, node, need, core.host_trims)
+    return split_tail(core, node, need, core.host_trims, core.host_tail_floor)
 
 
 def host_evictable_tokens(cache, *, below=None) -> int:

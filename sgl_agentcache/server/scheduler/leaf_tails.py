@@ -12,6 +12,12 @@ So the eviction walk's last victim is split where the need ends (whole pages): i
 leaf's recency stamp, so it ranks as the leaf did and goes next if more room is wanted. The worst case
 is SGLang's own outcome, one split later.
 
+A tail is at least :data:`TAIL_FLOOR_SHARE` of its tier's pool. SGLang asks eviction for exactly the
+shortfall, and under pressure every decode step is short by its batch size: a tail of only that split
+a leaf at every step (``bench/tree_overhead.py``, ``branch_heavy``: 14,168 one-token splits for 200
+requests, our cache time 9.4x stock's). SGLang's whole leaf is the other extreme; the floor spreads one
+split over many steps and still keeps a long history's head.
+
 Not split on the device: a node no branch owns (untagged traffic is evicted exactly as SGLang evicts
 it, so a server that sends no hints and infers none runs SGLang's own tree) unless a guessed close kept
 it as cache (``NodeState.kept``: a conversation chat inference closed as idle, whose user may return to
@@ -25,16 +31,28 @@ alike.
 
 from __future__ import annotations
 
+#: The least share of a tier's pool an eviction that splits a leaf takes (see the module docstring).
+TAIL_FLOOR_SHARE = 1 / 64
 
-def split_tail(core, node, need: int, counts: dict):
-    """Split leaf ``node`` so that its last ``need`` tokens (rounded up to whole pages) are a node of
-    their own, when that leaves a head of at least one page. Returns the node to evict: ``node``, whose
-    identity the tail keeps (the head is a new node, given ``node``'s recency). Counts a split in
-    ``counts`` (``leaves``, ``kept_tokens``)."""
+
+def tail_floor(pool_tokens: int, page: int) -> int:
+    """The least tail (tokens, whole pages) an eviction splits off a leaf on a tier of ``pool_tokens``."""
+    pages = int(pool_tokens * TAIL_FLOOR_SHARE) // page
+    return max(pages, 1) * page
+
+
+def split_tail(core, node, need: int, counts: dict, floor: int = 0):
+    """Split leaf ``node`` so that its last ``need`` tokens, at least ``floor`` (both rounded up to whole
+    pages), are a node of their own, when that leaves a head of at least one page. Returns the node to
+    evict: ``node``, whose identity the tail keeps (the head is a new node, given ``node``'s recency).
+    No need (``need`` <= 0) takes the leaf whole. Counts a split in ``counts`` (``leaves``,
+    ``kept_tokens``)."""
+    if need <= 0:
+        return node
     page = core.page_size
-    take = -(-max(need, 0) // page) * page
+    take = -(-max(need, floor) // page) * page
     length = len(node.key)
-    if take <= 0 or length - take < page:
+    if length - take < page:
         return node
     stamp = node.last_access_time
     head, action = core._split_node(node.key, node, length - take)
@@ -59,4 +77,4 @@ def device_tail(core, node, need: int):
     if not core.trim_device_tails or (state.owner is None and not state.kept) or state.terminated \
             or not settled(node):
         return node
-    return split_tail(core, node, need, core.device_trims)
+    return split_tail(core, node, need, core.device_trims, core.device_tail_floor)

@@ -80,6 +80,9 @@ class AgentTreeCore(UnifiedTreeCore):
         self.host_evict_target: Optional[int] = None
         self.host_trims = {"leaves": 0, "kept_tokens": 0}
         self.device_trims = {"leaves": 0, "kept_tokens": 0}
+        # The least tail a split takes on each tier (leaf_tails.tail_floor), set once the pools are known.
+        self.device_tail_floor = 0
+        self.host_tail_floor = 0
         super().__init__(params, components)
         # Read by every insert (_skip_locked_prefix); pins.py checks methods, not attributes, so a
         # rename in a later SGLang must stop the server here rather than at its first request.
