@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo demo-server bench bench-quick soak clean
+.PHONY: setup test test-fast demo demo-server bench bench-server bench-all bench-quick soak clean
 
 ## setup: CPU dev/test virtualenv (CPU torch, sglang==0.5.23, exact lock, CPU shims, this package editable).
 ##        Reused while requirements/cpu-lock.txt, pyproject.toml, the shims and the script are unchanged.
@@ -28,21 +28,29 @@ demo: setup
 demo-server: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache demo
 
-## bench: regenerate the committed results under bench/results/ (replay suite: every system at equal
+## bench: regenerate the replay-side results under bench/results/ (replay suite: every system at equal
 ##        pool and host tier, 10 seeds, real traces; 38 real sessions with intervals over sessions; the
-##        admission orders on the same sessions; tree
-##        overhead; the real-server benchmark; the replay against the server), then the
-##        results blocks of README.md and bench/README.md. CPU only, 2 worker processes; see bench/README.md.
+##        inference attribution; the admission orders on the same sessions; tree overhead), then the
+##        results blocks of README.md and bench/README.md. CPU only, 2 worker processes; about 30 minutes
+##        on a quiet 2-core machine (bench/README.md has the times).
 bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --out bench/results/replay
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/real_sessions.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/inference_attribution.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/admission.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/tree_overhead.py
+	$(PY) bench/readme_results.py --write
+
+## bench-server: the real-server side (real SGLang CPU servers: the server benchmark, the replay against
+##               the server, the L3 failover), then the results blocks; about 45 minutes on 2 cores.
+bench-server: setup
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/server_recompute.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/replay_vs_server.py
 	SGLANG_USE_CPU_ENGINE=1 $(PY) bench/l3_failover.py
 	$(PY) bench/readme_results.py --write
+
+## bench-all: both of the above (the cluster run stays separate: bench/README.md).
+bench-all: bench bench-server
 
 ## bench-quick: a smoke run of the same benchmarks (small traces, few seeds) into $(QUICK_OUT); commits nothing.
 QUICK_OUT ?= bench-quick
