@@ -378,7 +378,7 @@ def test_a_connection_is_recognised_as_this_processs_own_and_no_other():
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         server = listener.getsockname()[:2]
-        with socket.create_connection(server) as ours:
+        with socket.create_connection(server):  # held open while this process accepts it
             accepted, client = listener.accept()
             with accepted:
                 assert from_this_process(client[:2], server)
