@@ -351,7 +351,7 @@ def _server(body: dict) -> list[str]:
 
 #: The server benchmark over independent traces (``--trace-seeds``): intervals over traces. Each run
 #: that exists is shown, in this order (the largest sample first).
-SERVER_SEEDS = ("server_recompute-seeds10-hicache-wb-lpm+agentcache-lpm+agentcache-agent-lpm.json",
+SERVER_SEEDS = ("server_recompute-seeds10-hicache-wb-lpm+agentcache-lpm+agentcache-agent-lpm+agentcache-hook-lpm.json",
                 "server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-admit-lpm.json",
                 "server_recompute-seeds5-hicache-wb-lpm+agentcache-lpm+agentcache-agent-lpm.json")
 _SERVER_MEASURES = (("computed", "prefill computed"), ("jct", "JCT"), ("resume_ttft_p50", "resume TTFT p50"),
