@@ -31,7 +31,7 @@ demo-server: setup
 ## bench: regenerate the replay-side results under bench/results/ (replay suite: every system at equal
 ##        pool and host tier, 10 seeds, real traces; 38 real sessions with intervals over sessions; the
 ##        inference attribution; the admission orders on the same sessions; tree overhead), then the
-##        results blocks of README.md and bench/README.md. CPU only, 2 worker processes; about 30 minutes
+##        results blocks of README.md and bench/README.md. CPU only, 2 worker processes; about 20 minutes
 ##        on a quiet 2-core machine (bench/README.md has the times).
 bench: setup
 	SGLANG_USE_CPU_ENGINE=1 $(VENV)/bin/sgl-agentcache replay --suite --out bench/results/replay
